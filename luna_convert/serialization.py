@@ -1,0 +1,131 @@
+"""``save`` / ``load`` for converted models: config JSON + safetensors, nothing pickled.
+
+Folder layout::
+
+    linear_attention.json   method, options, targets, how to rebuild the model, versions
+    config.json             transformers model config (transformers models only)
+    model.safetensors       every weight, original and added
+    tokenizer / image-processor files, when given
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import SafetensorError
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from .convert import CONFIG_ATTR, convert
+from .errors import LunaConvertError
+from .fileio import atomic_directory, atomic_write_json
+from .models import TIMM_ARGS_ATTR
+
+CONVERSION_FILE = "linear_attention.json"
+WEIGHTS_FILE = "model.safetensors"
+FORMAT_VERSION = 1
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in ("luna-convert", "torch", "transformers", "timm", "accelerate", "datasets"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _model_spec(model: nn.Module) -> dict:
+    if hasattr(model, TIMM_ARGS_ATTR):
+        return {"library": "timm", **getattr(model, TIMM_ARGS_ATTR)}
+    if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
+        return {"library": "transformers", "class": type(model).__name__}
+    raise LunaConvertError(
+        f"cannot record how to rebuild {type(model).__name__}: create timm models with "
+        "luna_convert.create_timm_model(...) or use a transformers model"
+    )
+
+
+def save(model: nn.Module, directory: str | Path, tokenizer=None, processor=None, overwrite: bool = False,
+         extra: dict | None = None) -> Path:
+    """Write a converted (or original) model so that :func:`load` rebuilds it offline.
+
+    The folder appears only once complete (written aside, then renamed).
+    """
+    conversion = getattr(model, CONFIG_ATTR, None)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "conversion": conversion.to_dict() if conversion is not None else None,
+        "model": _model_spec(model),
+        "versions": library_versions(),
+        **(extra or {}),
+    }
+    directory = Path(directory)
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
+        if meta["model"]["library"] == "transformers":
+            model.config.save_pretrained(tmp)
+        save_model(model, str(tmp / WEIGHTS_FILE))
+        for files in (tokenizer, processor):
+            if files is not None:
+                files.save_pretrained(tmp)
+        atomic_write_json(tmp / CONVERSION_FILE, meta)
+    return directory
+
+
+def read_metadata(directory: str | Path) -> dict:
+    directory = Path(directory)
+    path = directory / CONVERSION_FILE
+    if not path.is_file():
+        raise LunaConvertError(
+            f"{directory} is not a luna-convert model folder (no {CONVERSION_FILE}); "
+            "pass a run's output folder or a folder written by luna_convert.save"
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise LunaConvertError(f"{path} is corrupt ({e}); re-run the conversion or restore the file") from None
+
+
+def build_model(spec: dict, directory: Path) -> nn.Module:
+    """An untrained model of the recorded architecture."""
+    if spec["library"] == "timm":
+        from .models import create_timm_model
+
+        args = {k: v for k, v in spec.items() if k != "library"}
+        return create_timm_model(**args)
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    cls = getattr(transformers, spec["class"], None)
+    if cls is None:
+        raise LunaConvertError(f"transformers {transformers.__version__} has no class {spec['class']}; install the "
+                               "transformers version that wrote this folder")
+    return cls(config)
+
+
+def load(directory: str | Path) -> nn.Module:
+    """Rebuild a model written by :func:`save`: architecture, conversion, then weights (strict)."""
+    directory = Path(directory)
+    meta = read_metadata(directory)
+    model = build_model(meta["model"], directory)
+    conversion = meta.get("conversion")
+    if conversion is not None:
+        target_names = set(conversion["targets"])
+        convert(model, conversion["method"], filter_fn=lambda _m, name: name in target_names, **conversion["options"])
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise LunaConvertError(f"{weights} is missing; the folder is incomplete, re-run or restore it")
+    try:
+        missing, unexpected = load_model(model, str(weights), strict=False)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise LunaConvertError(f"{weights} is truncated or corrupt ({e}); re-run the conversion or restore the file") from None
+    if missing or unexpected:
+        raise LunaConvertError(
+            f"{weights} does not match the recorded model (missing {sorted(missing)[:3]}, unexpected "
+            f"{sorted(unexpected)[:3]}); the folder was edited or written by another version"
+        )
+    return model.eval()
