@@ -4,18 +4,32 @@
     report = luna_convert.convert(model, method="luna")   # in place, weights kept
     luna_convert.save(model, "outputs/my-model", tokenizer=tok)
     model = luna_convert.load("outputs/my-model")
+
+Names are imported on first use so that the command line starts fast.
 """
 
-from .convert import ConversionConfig, ConversionReport, convert, is_converted
-from .errors import ConversionError, LunaConvertError
-from .feature_maps import FEATURE_MAPS
-from .methods import METHODS, methods
-from .models import create_timm_model
-from .serialization import load, save
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "convert", "is_converted", "ConversionConfig", "ConversionReport", "methods", "METHODS", "FEATURE_MAPS",
-    "save", "load", "create_timm_model", "LunaConvertError", "ConversionError",
-]
+_EXPORTS = {
+    "convert": "convert", "is_converted": "convert", "ConversionConfig": "convert", "ConversionReport": "convert",
+    "methods": "methods", "METHODS": "methods", "FEATURE_MAPS": "feature_maps",
+    "save": "serialization", "load": "serialization", "create_timm_model": "models",
+    "LunaConvertError": "errors", "ConversionError": "errors", "UnknownNameError": "errors",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -16,7 +16,9 @@ Adapters, chosen by class name and attributes (never by module path):
 
 from __future__ import annotations
 
+import inspect
 import math
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,28 +27,58 @@ from torch import nn
 
 from .attention import LinearAttention
 from .errors import ConversionError
+from .linear_attention import softmax_attention_weights
+
+
+# An additive mask value at or below this removes the key from softmax exactly
+# (exp(-1000) is 0 in every float format): v4 eager (finfo.min), the -10000
+# convention of older code and -inf all count as padding.
+_ADDITIVE_DROP = -1000.0
 
 
 def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     """Normalise any attention mask reaching self-attention to bool [B, N] (True = real key).
 
-    Accepts [B, N] 0/1 or bool masks, and [B, 1, 1|N, N] bool (True = keep)
-    or additive float masks (0 = keep, very negative = drop), as built by
-    transformers v4 (eager) and v5 (eager/sdpa). An all-real mask becomes None.
+    Accepts [B, N] 0/1 or bool masks, and [B, 1|H, 1|N, N] (or [B, 1|N, N]) bool
+    (True = keep) or additive float masks (0 = keep, very negative = drop), as
+    built by transformers v4 (eager: [B,1,1,N] additive; sdpa: [B,1,N,N]
+    additive) and v5 (eager: [B,1,N,N] additive; sdpa: [B,1,N,N] bool).
+    An all-real mask becomes None.
+
+    Linear attention can only drop keys, so a mask whose real query rows do
+    not all share one key pattern (causal, block or per-query masks) is
+    refused instead of being silently approximated. Query rows that keep
+    nothing or everything (how some libraries treat pad queries) are allowed.
     """
     if mask is None:
         return None
     if mask.dtype == torch.bool:
         keep = mask
-    elif mask.dim() == 2:
-        keep = mask > 0
+    elif mask.dim() == 2 and not bool((mask < 0).any()):
+        keep = mask > 0  # 0/1 (or 0/positive) key-padding mask
     else:  # additive
-        keep = mask > torch.finfo(mask.dtype).min / 2
+        keep = mask > _ADDITIVE_DROP
     if keep.dim() == 4:
-        # Bidirectional masks repeat the key-padding pattern on every query row.
-        keep = keep[:, 0].any(dim=1)
-    elif keep.dim() == 3:
-        keep = keep.any(dim=1)
+        keep = keep[:, 0]  # the head axis is 1 (or repeats the same pattern)
+    if keep.dim() == 3:
+        # Bidirectional padding masks repeat the key pattern on every query row;
+        # pick the row that keeps the fewest (but some) keys as the pattern.
+        n = keep.shape[-1]
+        counts = keep.sum(-1)
+        counts = counts.masked_fill(counts == 0, n + 1)
+        row = counts.argmin(-1)
+        pattern = keep[torch.arange(keep.shape[0], device=keep.device), row]  # [B, N]
+        if keep.shape[1] > 1:
+            full_or_empty = keep.all(-1) | ~keep.any(-1)
+            same = (keep == pattern[:, None, :]).all(-1)
+            if not bool((same | full_or_empty).all()):
+                raise ValueError(
+                    "linear attention supports key-padding masks only; this attention mask varies across query "
+                    "rows (causal or structured masks cannot be linearised)"
+                )
+        keep = pattern
+    elif keep.dim() != 2:
+        raise ValueError(f"unsupported attention mask shape {tuple(mask.shape)}")
     return None if bool(keep.all()) else keep
 
 
@@ -64,9 +96,16 @@ class LinearizedAttention:
 
     linear_attn: LinearAttention
     patch_grid: tuple[int, int] | None = None
+    _original_forward_params: tuple[str, ...] = ()  # set per class by ``linearized_class``
 
-    def _attend(self, q, k, v, mask) -> torch.Tensor:
-        """q, k, v: [B, H, N, d] -> [B, N, H*d]"""
+    def _call_arguments(self, args: tuple, kwargs: dict) -> dict:
+        """The call's arguments by name, whatever the library version passed positionally
+        (v4 ViT: ``(hidden_states, head_mask)``; v4 BERT: ``(hidden_states, attention_mask,
+        head_mask, encoder_hidden_states, ...)``; v5: ``(hidden_states, attention_mask, ...)``)."""
+        return {**dict(zip(self._original_forward_params, args)), **kwargs}
+
+    def _attend(self, q, k, v, mask, head_mask=None, output_attentions: bool = False):
+        """q, k, v: [B, H, N, d] -> ([B, N, H*d], attention weights [B, H, N, N] or None)"""
         b, _, n, _ = q.shape
         key_mask = key_padding_mask(mask)
         if self.linear_attn.dwc is not None and self.linear_attn.dwc.spatial:
@@ -74,7 +113,21 @@ class LinearizedAttention:
             out = self.linear_attn(q, k, v, key_mask, grid, prefix)
         else:
             out = self.linear_attn(q, k, v, key_mask)
-        return out.transpose(1, 2).reshape(b, n, -1)
+        if head_mask is not None:  # v4 head pruning mask: [num_heads] or broadcastable [1|B, H, 1, 1]
+            if head_mask.dim() == 1:
+                head_mask = head_mask[None, :, None, None]
+            if head_mask.dim() != 4 or head_mask.shape[-2:] != (1, 1):
+                raise ValueError(f"linear attention supports per-head masks only, got head_mask {tuple(head_mask.shape)}")
+            out = out * head_mask.to(out.dtype)
+        weights = None
+        if output_attentions:
+            la = self.linear_attn
+            # The weights that produced the output: softmax while distilling, else the linear ones.
+            weights = (softmax_attention_weights(q, k, la.softmax_scale, key_mask) if la.distill
+                       else la.attention_weights(q, k, key_mask))
+            if head_mask is not None:
+                weights = weights * head_mask.to(weights.dtype)
+        return out.transpose(1, 2).reshape(b, n, -1), weights
 
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -82,24 +135,36 @@ def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.view(b, n, -1, head_dim).transpose(1, 2)
 
 
-class HFSeparateQKV(LinearizedAttention):
-    """transformers ``BertSelfAttention``-style (query/key/value); returns (context, None)."""
+def _check_self_attention(call: dict) -> None:
+    if call.get("encoder_hidden_states") is not None:
+        raise ConversionError("linear attention replaces self-attention only; cross-attention inputs were given")
 
-    def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
-        if kwargs.get("encoder_hidden_states") is not None:
-            raise ConversionError("linear attention replaces self-attention only; cross-attention inputs were given")
+
+class HFSeparateQKV(LinearizedAttention):
+    """transformers ``BertSelfAttention``-style (query/key/value; v4 BERT eager and SDPA, ViT up
+    to 5.7 and v4 ``ViTSelfAttention``). Returns (context, attention weights or None) like the
+    original on both v4 and v5."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        call = self._call_arguments(args, kwargs)
+        _check_self_attention(call)
         d = self.attention_head_size
         q, k, v = (_heads(proj(hidden_states), d) for proj in (self.query, self.key, self.value))
-        return self._attend(q, k, v, attention_mask), None
+        return self._attend(q, k, v, call.get("attention_mask"), call.get("head_mask"),
+                            bool(call.get("output_attentions")))
 
 
 class HFProjQKVO(LinearizedAttention):
-    """transformers ViT >= 5.10 ``ViTAttention`` (q_proj/k_proj/v_proj/o_proj); returns (output, None)."""
+    """transformers ViT >= 5.10 ``ViTAttention`` (q_proj/k_proj/v_proj/o_proj); returns (output, weights or None)."""
 
-    def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
+    def forward(self, hidden_states, *args, **kwargs):
+        call = self._call_arguments(args, kwargs)
+        _check_self_attention(call)
         d = self.head_dim
         q, k, v = (_heads(proj(hidden_states), d) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        return self.o_proj(self._attend(q, k, v, attention_mask)), None
+        out, weights = self._attend(q, k, v, call.get("attention_mask"), call.get("head_mask"),
+                                    bool(call.get("output_attentions")))
+        return self.o_proj(out), weights
 
 
 class TimmFusedQKV(LinearizedAttention):
@@ -112,7 +177,8 @@ class TimmFusedQKV(LinearizedAttention):
         gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
         q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
-        out = self.norm(self._attend(q, k, v, attn_mask))
+        out, _ = self._attend(q, k, v, attn_mask)
+        out = self.norm(out)
         if gate is not None:
             out = out * gate
         return self.proj_drop(self.proj(out))
@@ -134,6 +200,49 @@ def _is_self_attention(module: nn.Module) -> bool:
     return not getattr(module, "is_causal", False) and not getattr(module, "is_decoder", False)
 
 
+def _forward_params(cls: type, positional: bool = True) -> tuple[str, ...]:
+    """Names of ``cls.forward``'s parameters after ``self`` and the hidden states: those that
+    can be passed positionally, or (``positional=False``) every named one (``*args``/``**kwargs`` excluded)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    leading = [p.name for p in params if p.kind in kinds]
+    keyword = [] if positional else [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return tuple(leading[2:] + keyword)
+
+
+# Arguments a plain softmax self-attention may take besides the hidden states. A forward
+# with any other input (rotary ``sinusoidal_pos``/``position_embeddings``, relative-position
+# biases, layout boxes, ...) uses information linear attention would silently drop.
+_PLAIN_HF_ARGS = frozenset({
+    "attention_mask", "head_mask", "encoder_hidden_states", "encoder_attention_mask", "past_key_value",
+    "past_key_values", "cache", "output_attentions", "cache_position", "use_cache",
+})
+
+
+def _plain_hf_forward(module: nn.Module) -> bool:
+    return set(_forward_params(type(module), positional=False)) <= _PLAIN_HF_ARGS
+
+
+def _absolute_positions(module: nn.Module) -> bool:
+    """v4 BERT-family self-attention can add relative-position scores inside attention."""
+    return getattr(module, "position_embedding_type", "absolute") in (None, "absolute")
+
+
+def _is_plain_timm_attention(module: nn.Module) -> bool:
+    """Exactly timm's ``Attention`` computation (subclasses that keep its forward included).
+
+    Other timm attention classes with the same attributes add rotary embeddings (EVA,
+    ``AttentionRope``) or relative-position biases (SAM, relpos ViT) inside forward.
+    """
+    attention_module = sys.modules.get("timm.layers.attention")
+    timm_attention = getattr(attention_module, "Attention", None)
+    return (timm_attention is not None and isinstance(module, timm_attention)
+            and type(module).forward is timm_attention.forward)
+
+
 ADAPTERS = [
     Adapter(
         "hf-separate",
@@ -141,7 +250,9 @@ ADAPTERS = [
         lambda m: type(m).__name__.endswith("SelfAttention")
         and _has_linears(m, "query", "key", "value")
         and hasattr(m, "attention_head_size")
-        and _is_self_attention(m),
+        and _is_self_attention(m)
+        and _absolute_positions(m)
+        and _plain_hf_forward(m),
         lambda m: (m.num_attention_heads, m.attention_head_size, m.attention_head_size**-0.5),
     ),
     Adapter(
@@ -151,14 +262,14 @@ ADAPTERS = [
         and _has_linears(m, "q_proj", "k_proj", "v_proj", "o_proj")
         and hasattr(m, "num_attention_heads")
         and hasattr(m, "head_dim")
-        and not getattr(m, "is_causal", True),
+        and not getattr(m, "is_causal", True)
+        and _plain_hf_forward(m),
         lambda m: (m.num_attention_heads, m.head_dim, m.scaling),
     ),
     Adapter(
         "timm",
         TimmFusedQKV,
-        lambda m: _has_linears(m, "qkv", "proj") and hasattr(m, "num_heads") and hasattr(m, "head_dim")
-        and hasattr(m, "q_norm") and hasattr(m, "k_norm"),
+        lambda m: _is_plain_timm_attention(m) and _has_linears(m, "qkv", "proj"),
         lambda m: (m.num_heads, m.head_dim, m.scale),
     ),
 ]
@@ -176,7 +287,8 @@ def linearized_class(base: type, mixin: type) -> type:
     """``Linear<Base>``: the mixin's forward over the original class (cached)."""
     key = (base, mixin)
     if key not in _LINEAR_CLASSES:
-        _LINEAR_CLASSES[key] = type(f"Linear{base.__name__}", (mixin, base), {"__module__": __name__})
+        _LINEAR_CLASSES[key] = type(f"Linear{base.__name__}", (mixin, base),
+                                    {"__module__": __name__, "_original_forward_params": _forward_params(base)})
     return _LINEAR_CLASSES[key]
 
 

@@ -3,6 +3,7 @@ for linear attention in place, keeping the pretrained weights."""
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -69,9 +70,10 @@ def resolve_options(method: str, options: dict) -> dict:
     spec = get_method(method)
     unknown = set(options) - set(spec.defaults) - set(ATTENTION_OPTIONS)
     if unknown:
-        raise ConversionError(
-            f"unknown option(s) {sorted(unknown)} for method {method!r}; valid: {sorted(set(spec.defaults) | set(ATTENTION_OPTIONS))}"
-        )
+        valid = sorted(set(spec.defaults) | set(ATTENTION_OPTIONS))
+        close = sorted({c for name in unknown for c in difflib.get_close_matches(name, valid, n=2)})
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise ConversionError(f"unknown option(s) {sorted(unknown)} for method {method!r}.{hint} Valid: {valid}")
     return {**spec.defaults, **options}
 
 
@@ -104,12 +106,22 @@ def convert(
             f"{', '.join(found) or 'none'}); supported: transformers BERT-family and ViT, timm VisionTransformer"
         )
 
-    replaced = []
+    # Build every replacement before touching the model, so that bad option values
+    # (e.g. an odd channel count for the fourier bank) leave the model unconverted.
+    built = []
     for name, module, adapter in targets:
         num_heads, head_dim, scale = adapter.heads(module)
         ref = next(module.parameters())
-        linear_attn = LinearAttention(spec.feature_map, head_dim, num_heads, scale, spatial=grid is not None,
-                                      **attn_opts, **map_opts).to(device=ref.device, dtype=ref.dtype)
+        try:
+            linear_attn = LinearAttention(spec.feature_map, head_dim, num_heads, scale, spatial=grid is not None,
+                                          **attn_opts, **map_opts).to(device=ref.device, dtype=ref.dtype)
+        except (ValueError, TypeError) as e:
+            raise ConversionError(f"invalid options for method {method!r} ({e}); see luna_convert.METHODS"
+                                  f"[{method!r}].defaults") from None
+        built.append((name, module, adapter, linear_attn, num_heads, head_dim))
+
+    replaced = []
+    for name, module, adapter, linear_attn, num_heads, head_dim in built:
         original_class = type(module).__name__
         linearize(module, adapter, linear_attn, patch_grid=grid)
         replaced.append(ReplacedModule(name, original_class, adapter.name, num_heads, head_dim,

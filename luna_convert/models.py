@@ -1,10 +1,44 @@
-"""Building models whose construction must be recorded to rebuild them later."""
+"""Loading the models a run starts from, with what they need to read their inputs.
+
+``model`` strings:
+  a folder written by luna_convert.save   (converted or original; offline)
+  a transformers folder or hub id          (text or image classifier)
+  ``timm:<name>``                          (timm ViT/DeiT with pretrained weights)
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from pathlib import Path
+
 from torch import nn
 
+from .errors import LunaConvertError
+
 TIMM_ARGS_ATTR = "timm_create_args"
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    kind: str  # "text" | "image"
+    tokenizer: object | None = None
+    image_processor: object | None = None  # saved beside the model, transformers only
+    image_config: dict = field(default_factory=dict)  # mean, std, size for image models
+    source: str = ""
+
+    @property
+    def num_labels(self) -> int:
+        config = getattr(self.model, "config", None)
+        if config is not None and hasattr(config, "num_labels"):
+            return config.num_labels
+        return self.model.num_classes
+
+    @property
+    def id2label(self) -> dict[int, str] | None:
+        config = getattr(self.model, "config", None)
+        return {int(k): v for k, v in config.id2label.items()} if config is not None else None
 
 
 def create_timm_model(model_name: str, pretrained: bool = False, checkpoint_path: str = "", **kwargs) -> nn.Module:
@@ -18,3 +52,90 @@ def create_timm_model(model_name: str, pretrained: bool = False, checkpoint_path
     model = timm.create_model(model_name, pretrained=pretrained, checkpoint_path=checkpoint_path, **kwargs)
     setattr(model, TIMM_ARGS_ATTR, {"model_name": model_name, **kwargs})
     return model
+
+
+def _offline_hint(source: str, error: Exception) -> LunaConvertError:
+    return LunaConvertError(
+        f"cannot load model {source!r} ({type(error).__name__}: {str(error).splitlines()[0][:160]}). "
+        "If the hub is unreachable, download the checkpoint elsewhere and pass --model /path/to/folder "
+        "(and --data-dir for the data)"
+    )
+
+
+def _image_config_from_processor(processor) -> dict:
+    size = getattr(processor, "size", None) or {}
+    side = size.get("height") or size.get("shortest_edge") or 224 if isinstance(size, dict) else size
+    return {"mean": tuple(getattr(processor, "image_mean", IMAGENET_MEAN)),
+            "std": tuple(getattr(processor, "image_std", IMAGENET_STD)), "size": int(side)}
+
+
+def _timm_image_config(model: nn.Module) -> dict:
+    from timm.data import resolve_data_config
+
+    cfg = resolve_data_config({}, model=model)
+    return {"mean": tuple(cfg["mean"]), "std": tuple(cfg["std"]), "size": int(cfg["input_size"][-1])}
+
+
+def _is_vision_config(config) -> bool:
+    return hasattr(config, "image_size") and hasattr(config, "patch_size")
+
+
+def load_model(source: str, num_labels: int | None = None) -> LoadedModel:
+    """Load a classifier and its preprocessing. ``num_labels`` sizes a fresh head only when the
+    checkpoint has none (a base model); a finetuned head is kept as it is."""
+    from .serialization import CONVERSION_FILE, load, read_metadata
+
+    path = Path(source)
+    if path.is_dir() and (path / CONVERSION_FILE).is_file():
+        meta = read_metadata(path)
+        model = load(path)
+        if meta["model"]["library"] == "timm":
+            return LoadedModel(model, "image", image_config=meta.get("image_config") or _timm_image_config(model),
+                               source=source)
+        return _with_transformers_preprocessing(model, path, source)
+    if source.startswith("timm:"):
+        try:
+            model = create_timm_model(source[5:], pretrained=True)
+        except Exception as e:  # noqa: BLE001 - any download/parse failure gets the same advice
+            raise _offline_hint(source, e) from None
+        return LoadedModel(model, "image", image_config=_timm_image_config(model), source=source)
+    if source.startswith("builtin:"):
+        from .teachers import builtin_dir
+
+        folder = builtin_dir(source[8:], "outputs")
+        if not (folder / CONVERSION_FILE).is_file():
+            raise LunaConvertError(f"the built-in teacher {source} is not trained yet; run a recipe that uses it "
+                                   "(e.g. `luna-convert demo`) first")
+        return load_model(str(folder))
+    if not path.exists() and (source.startswith((".", "/", "~")) or source.count("/") > 1):
+        raise LunaConvertError(f"model folder {source} does not exist; pass a local folder or a hub id")
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(source)
+        kwargs = {"num_labels": num_labels} if num_labels and not getattr(config, "id2label", None) else {}
+        auto = (transformers.AutoModelForImageClassification if _is_vision_config(config)
+                else transformers.AutoModelForSequenceClassification)
+        model = auto.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as e:
+        raise _offline_hint(source, e) from None
+    return _with_transformers_preprocessing(model, source, source)
+
+
+def _with_transformers_preprocessing(model: nn.Module, files, source: str) -> LoadedModel:
+    import transformers
+
+    if _is_vision_config(model.config):
+        try:
+            processor = transformers.AutoImageProcessor.from_pretrained(files)
+            image_config = _image_config_from_processor(processor)
+        except (OSError, ValueError):
+            processor, size = None, model.config.image_size
+            image_config = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "size": int(size)}
+        return LoadedModel(model, "image", image_processor=processor, image_config=image_config, source=source)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(files)
+    except (OSError, ValueError) as e:
+        raise LunaConvertError(f"no tokenizer found for {source} ({e.__class__.__name__}); save the tokenizer "
+                               "files beside the model") from None
+    return LoadedModel(model, "text", tokenizer=tokenizer, source=source)

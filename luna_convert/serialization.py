@@ -15,6 +15,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
+import torch
 from torch import nn
 
 from .convert import CONFIG_ATTR, convert
@@ -50,6 +51,12 @@ def _model_spec(model: nn.Module) -> dict:
     )
 
 
+def _float_dtype_name(model: nn.Module) -> str | None:
+    """The dtype of the model's floating-point weights ("float32", "bfloat16", ...)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def save(model: nn.Module, directory: str | Path, tokenizer=None, processor=None, overwrite: bool = False,
          extra: dict | None = None) -> Path:
     """Write a converted (or original) model so that :func:`load` rebuilds it offline.
@@ -62,6 +69,7 @@ def save(model: nn.Module, directory: str | Path, tokenizer=None, processor=None
         "conversion": conversion.to_dict() if conversion is not None else None,
         "model": _model_spec(model),
         "versions": library_versions(),
+        "dtype": _float_dtype_name(model),
         **(extra or {}),
     }
     directory = Path(directory)
@@ -112,6 +120,11 @@ def load(directory: str | Path) -> nn.Module:
     directory = Path(directory)
     meta = read_metadata(directory)
     model = build_model(meta["model"], directory)
+    dtype = getattr(torch, meta.get("dtype") or "", None)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        # Rebuild in the saved precision: loading bf16 weights into a float32 model would
+        # silently give a different (upcast) model than the one saved.
+        model = model.to(dtype)
     conversion = meta.get("conversion")
     if conversion is not None:
         target_names = set(conversion["targets"])
@@ -122,7 +135,16 @@ def load(directory: str | Path) -> nn.Module:
     try:
         missing, unexpected = load_model(model, str(weights), strict=False)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise LunaConvertError(f"{weights} is truncated or corrupt ({e}); re-run the conversion or restore the file") from None
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        mismatch = next((line for line in lines if "size mismatch" in line), None)
+        if mismatch is not None:  # a whole file, but for another architecture or options
+            raise LunaConvertError(
+                f"{weights} does not match the recorded model ({mismatch[:300]}); the folder was edited or "
+                "written by another version"
+            ) from None
+        raise LunaConvertError(
+            f"{weights} is truncated or corrupt ({lines[0][:300]}); re-run the conversion or restore the file"
+        ) from None
     if missing or unexpected:
         raise LunaConvertError(
             f"{weights} does not match the recorded model (missing {sorted(missing)[:3]}, unexpected "

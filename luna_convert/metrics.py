@@ -1,0 +1,152 @@
+"""Task metrics computed with scikit-learn / scipy, keyed like the `evaluate` GLUE metric.
+
+All values are floats on a 0..1 scale (correlations in -1..1), never percent. Degenerate
+inputs (constant predictions, fewer than two examples) give 0.0 for correlations, not NaN.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from .errors import LunaConvertError
+from .tasks import TaskSpec, get_task
+
+__all__ = ["compute_metrics", "headline_metric", "metric_names"]
+
+_GLUE_KEYS: dict[str, tuple[str, ...]] = {
+    "cola": ("matthews_correlation",),
+    "sst2": ("accuracy",),
+    "mrpc": ("accuracy", "f1"),
+    "stsb": ("pearson", "spearmanr"),
+    "qqp": ("accuracy", "f1"),
+    "mnli": ("accuracy",),
+    "mnli_mismatched": ("accuracy",),
+    "qnli": ("accuracy",),
+    "rte": ("accuracy",),
+}
+
+
+def headline_metric(task: TaskSpec | str) -> str:
+    """Metric key of the task's headline score (the one "% recovered" is computed from)."""
+    return get_task(task).headline
+
+
+def metric_names(task: TaskSpec | str, num_classes: int | None = None) -> tuple[str, ...]:
+    """Keys that :func:`compute_metrics` returns for ``task``."""
+    task = get_task(task)
+    if task.name in _GLUE_KEYS:
+        return _GLUE_KEYS[task.name]
+    if task.kind == "image":
+        n = num_classes if num_classes is not None else task.num_labels
+        return ("accuracy", "top5_accuracy") if (n is None or n >= 5) else ("accuracy",)
+    if task.is_regression:
+        return ("pearson", "spearmanr", "mse")
+    return ("accuracy", "macro_f1", "matthews_correlation")
+
+
+def _correlation(kind: str, x: np.ndarray, y: np.ndarray) -> float:
+    """Pearson / Spearman correlation; 0.0 where it is undefined (constant input, n < 2)."""
+    if x.size < 2 or not (np.isfinite(x).all() and np.isfinite(y).all()):
+        return 0.0
+    if np.ptp(x) == 0 or np.ptp(y) == 0:
+        return 0.0
+    from scipy import stats
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "pearson":
+            r = stats.pearsonr(x, y)[0]
+        else:
+            r = stats.spearmanr(x, y)[0]
+    r = float(r)
+    return r if np.isfinite(r) else 0.0
+
+
+def _class_predictions(task: TaskSpec, predictions: np.ndarray) -> np.ndarray:
+    if predictions.ndim == 2 and predictions.shape[1] > 1:
+        return predictions.argmax(axis=1)
+    if predictions.ndim == 2:  # [N, 1]: one binary logit
+        return (predictions[:, 0] > 0).astype(np.int64)
+    if predictions.ndim == 1:  # already class ids
+        return predictions.astype(np.int64)
+    raise LunaConvertError(
+        f"predictions for task {task.name!r} have shape {tuple(predictions.shape)}; expected logits [N, C] or class ids [N]"
+    )
+
+
+def compute_metrics(task: TaskSpec | str, predictions, labels) -> dict[str, float]:
+    """Scores of ``predictions`` against ``labels`` for ``task``.
+
+    ``predictions``: logits ``[N, C]`` (argmax taken here) or class ids ``[N]`` for classification;
+    scores ``[N]`` or ``[N, 1]`` for regression. Classification labels below 0 (GLUE test
+    splits use -1, PyTorch ignores -100) are left out.
+    """
+    task = get_task(task)
+    predictions = np.asarray(predictions)
+    labels = np.asarray(labels)
+    n = predictions.shape[0] if predictions.ndim else 0
+    if labels.ndim != 1 and not (labels.ndim == 2 and labels.shape[1] == 1):
+        raise LunaConvertError(f"labels for task {task.name!r} have shape {tuple(labels.shape)}; expected [N]")
+    labels = labels.reshape(-1)
+    if n != labels.shape[0]:
+        raise LunaConvertError(
+            f"{n} predictions but {labels.shape[0]} labels for task {task.name!r}; they must match one to one"
+        )
+
+    if task.is_regression:
+        if predictions.ndim == 2 and predictions.shape[1] == 1:
+            predictions = predictions[:, 0]
+        if predictions.ndim != 1:
+            raise LunaConvertError(
+                f"predictions for regression task {task.name!r} have shape {tuple(predictions.shape)}; expected [N] or [N, 1]"
+            )
+        x = predictions.astype(np.float64)
+        y = labels.astype(np.float64)
+        if n == 0:
+            raise LunaConvertError(f"no examples to score for task {task.name!r}; check the evaluation split")
+        out = {"pearson": _correlation("pearson", x, y), "spearmanr": _correlation("spearman", x, y)}
+        if task.name != "stsb":
+            out["mse"] = float(np.mean((x - y) ** 2))
+        return out
+
+    logits = predictions if predictions.ndim == 2 and predictions.shape[1] > 1 else None
+    preds = _class_predictions(task, predictions)
+    labels = labels.astype(np.int64)
+    keep = labels >= 0
+    if not keep.all():
+        preds, labels = preds[keep], labels[keep]
+        if logits is not None:
+            logits = logits[keep]
+    if labels.size == 0:
+        raise LunaConvertError(
+            f"no labelled examples to score for task {task.name!r} (test splits have no labels); evaluate on the validation split"
+        )
+
+    from sklearn.metrics import f1_score, matthews_corrcoef
+
+    accuracy = float(np.mean(preds == labels))
+    if task.name in _GLUE_KEYS:
+        keys = _GLUE_KEYS[task.name]
+        out: dict[str, float] = {}
+        if "matthews_correlation" in keys:
+            out["matthews_correlation"] = float(matthews_corrcoef(labels, preds))
+        if "accuracy" in keys:
+            out["accuracy"] = accuracy
+        if "f1" in keys:
+            out["f1"] = float(f1_score(labels, preds, pos_label=1, average="binary", zero_division=0.0))
+        return out
+
+    if task.kind == "image":
+        out = {"accuracy": accuracy}
+        if logits is not None and logits.shape[1] >= 5:
+            top5 = np.argpartition(-logits, 4, axis=1)[:, :5]
+            out["top5_accuracy"] = float(np.mean((top5 == labels[:, None]).any(axis=1)))
+        return out
+
+    return {
+        "accuracy": accuracy,
+        "macro_f1": float(f1_score(labels, preds, average="macro", zero_division=0.0)),
+        "matthews_correlation": float(matthews_corrcoef(labels, preds)),
+    }

@@ -1,0 +1,115 @@
+"""``luna-convert report``: runs gathered into the papers' methods x tasks table."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+from .errors import LunaConvertError
+from .fileio import atomic_write_text
+
+RESULTS_FILE = "results.json"
+
+
+def find_runs(paths: list[Path]) -> list[dict]:
+    runs = []
+    for path in paths:
+        files = [path / RESULTS_FILE] if (path / RESULTS_FILE).is_file() else sorted(path.glob(f"*/{RESULTS_FILE}"))
+        for f in files:
+            runs.append(json.loads(f.read_text()))
+    if not runs:
+        raise LunaConvertError(f"no {RESULTS_FILE} found in {', '.join(map(str, paths))}; pass run folders under outputs/")
+    return runs
+
+
+def build_report(paths: list[Path], output: Path | None = None) -> dict:
+    """Per (method, task): the latest run's scores; per method: both averages of % recovered.
+
+    ratio of means  = 100 * mean(converted scores) / mean(original scores)   (Hedgehog's 99.3 %)
+    mean of ratios  = mean over tasks of 100 * converted / original
+    """
+    cells: dict[tuple[str, str], dict] = {}
+    for run in sorted(find_runs(paths), key=lambda r: r["run_dir"]):
+        cells[(run["method"], run["task"])] = run  # the latest run per cell wins
+    tasks = sorted({t for _, t in cells})
+    methods = sorted({m for m, _ in cells})
+    rows = []
+    for method in methods:
+        row = {"method": method, "tasks": {}}
+        teacher, converted, ratios = [], [], []
+        for task in tasks:
+            run = cells.get((method, task))
+            if run is None:
+                continue
+            row["tasks"][task] = {"teacher": run["teacher_score"], "converted": run["converted_score"],
+                                  "recovered_pct": run["recovered_pct"]}
+            teacher.append(run["teacher_score"])
+            converted.append(run["converted_score"])
+            if run["recovered_pct"] is not None:
+                ratios.append(run["recovered_pct"])
+        mean_t = sum(teacher) / len(teacher)
+        row["ratio_of_means_pct"] = 100 * (sum(converted) / len(converted)) / mean_t if mean_t > 0 else None
+        row["mean_of_ratios_pct"] = sum(ratios) / len(ratios) if ratios else None
+        rows.append(row)
+    rep = {"tasks": tasks, "rows": rows}
+    if output is not None:
+        output = Path(output)
+        atomic_write_text(output / "report.md", to_markdown(rep))
+        atomic_write_text(output / "report.csv", to_csv(rep))
+        atomic_write_text(output / "report.json", json.dumps(rep, indent=2) + "\n")
+    return rep
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _table_rows(rep: dict) -> tuple[list[str], list[list[str]]]:
+    header = ["method", *rep["tasks"], "ratio of means %", "mean of ratios %"]
+    body = []
+    for row in rep["rows"]:
+        cells = [row["method"]]
+        for task in rep["tasks"]:
+            c = row["tasks"].get(task)
+            cells.append("-" if c is None else f"{100 * c['converted']:.1f} ({_fmt(c['recovered_pct'])}%)")
+        body.append(cells + [_fmt(row["ratio_of_means_pct"]), _fmt(row["mean_of_ratios_pct"])])
+    teacher_row = ["original"]
+    for task in rep["tasks"]:
+        scores = [r["tasks"][task]["teacher"] for r in rep["rows"] if task in r["tasks"]]
+        teacher_row.append(f"{100 * scores[0]:.1f}" if scores else "-")
+    return header, [teacher_row + ["", ""]] + body
+
+
+def to_markdown(rep: dict) -> str:
+    header, body = _table_rows(rep)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    note = ("\nCells: converted score x100 (% of the original recovered). ratio of means = 100 x mean(converted) / "
+            "mean(original); mean of ratios = mean over tasks of % recovered.\n")
+    return "\n".join(lines) + "\n" + note
+
+
+def to_csv(rep: dict) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["method", "task", "original", "converted", "recovered_pct"])
+    for row in rep["rows"]:
+        for task, c in row["tasks"].items():
+            writer.writerow([row["method"], task, c["teacher"], c["converted"], c["recovered_pct"]])
+        writer.writerow([row["method"], "ratio_of_means", "", "", row["ratio_of_means_pct"]])
+        writer.writerow([row["method"], "mean_of_ratios", "", "", row["mean_of_ratios_pct"]])
+    return buf.getvalue()
+
+
+def render_table(rep: dict):
+    from rich.table import Table
+
+    header, body = _table_rows(rep)
+    table = Table(title="% of the original score recovered")
+    for h in header:
+        table.add_column(h, justify="left" if h == "method" else "right")
+    for r in body:
+        table.add_row(*r)
+    return table

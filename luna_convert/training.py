@@ -1,0 +1,259 @@
+"""Training through accelerate: attention distillation, task finetuning, evaluation.
+
+One code path for CPU, one GPU and ``accelerate launch`` (DDP). Callers swap
+attention modules before anything here runs; the finetune optimizer is built
+after conversion, inside :func:`finetune`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .convert import feature_map_parameters, linear_attention_modules
+from .errors import LunaConvertError
+from .fileio import atomic_write_json
+
+STATE_FILE = "trainer_state.json"
+
+
+class NonFiniteLossError(LunaConvertError):
+    pass
+
+
+@dataclass
+class StageResult:
+    stage: str
+    steps: int
+    seconds: float
+    final_loss: float | None
+
+
+# ----------------------------------------------------------------- model calls
+def forward_logits(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Logits for a batch from a transformers model (keyword inputs) or a timm model (a tensor)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if "pixel_values" in inputs and not _is_transformers(model):
+        out = model(inputs["pixel_values"])
+    else:
+        out = model(**inputs)
+    return out if torch.is_tensor(out) else out.logits
+
+
+def _is_transformers(model: nn.Module) -> bool:
+    inner = getattr(model, "module", model)  # DDP wraps in .module
+    return hasattr(inner, "config") and hasattr(inner.config, "to_json_string")
+
+
+def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if logits.shape[-1] == 1 and labels.is_floating_point():
+        return F.mse_loss(logits.squeeze(-1).float(), labels.float())
+    return F.cross_entropy(logits.float(), labels)
+
+
+# ------------------------------------------------------------------ progress UI
+def progress_bar(accelerator, description: str, total: int):
+    """A rich progress bar on the main process only (a no-op elsewhere)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn()]
+    bar = Progress(*columns, disable=not accelerator.is_main_process, transient=False)
+    task = bar.add_task(description, total=total, info="")
+    return bar, task
+
+
+# ------------------------------------------------------------------ checkpoints
+def save_checkpoint(accelerator, run_dir: Path, stage: str, step: int, keep: int = 1) -> None:
+    """accelerate state (model, optimizer, scheduler, RNG) + where we are; older ones pruned."""
+    ckpt_root = run_dir / "checkpoints"
+    path = ckpt_root / f"{stage}-{step:07d}"
+    accelerator.save_state(str(path), safe_serialization=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        # The pointer is written last and atomically: a crash mid-save leaves the previous one valid.
+        atomic_write_json(run_dir / STATE_FILE, {"stage": stage, "step": step, "checkpoint": path.name})
+        old = sorted(p for p in ckpt_root.glob(f"{stage}-*") if p != path)
+        for p in old[: max(0, len(old) - (keep - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def read_trainer_state(run_dir: Path) -> dict | None:
+    path = run_dir / STATE_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+# ----------------------------------------------------------------- evaluation
+@torch.no_grad()
+def predict(accelerator, model: nn.Module, loader, description: str = "eval") -> tuple[np.ndarray, np.ndarray]:
+    """Logits and labels over the whole loader, each example counted once across processes."""
+    model.eval()
+    all_logits, all_labels = [], []
+    bar, task = progress_bar(accelerator, description, len(loader))
+    with bar:
+        for batch in loader:
+            logits = forward_logits(model, batch)
+            logits, labels = accelerator.gather_for_metrics((logits.float(), batch["labels"]))
+            all_logits.append(logits.cpu())
+            all_labels.append(labels.cpu())
+            bar.advance(task)
+    return torch.cat(all_logits).numpy(), torch.cat(all_labels).numpy()
+
+
+# ------------------------------------------------------------------ the loops
+def _check_finite(loss: torch.Tensor, stage: str, step: int) -> None:
+    if not torch.isfinite(loss).all():
+        raise NonFiniteLossError(
+            f"non-finite {stage} loss at step {step}; the last good checkpoint is kept. "
+            "Lower the learning rate (--lr) or use --mixed-precision no, then --resume"
+        )
+
+
+def _batches(loader, accelerator, start_batch: int, epoch: int):
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    return accelerator.skip_first_batches(loader, start_batch) if start_batch else loader
+
+
+def distill_attention(
+    accelerator, model: nn.Module, loader, *, steps: int, lr: float, log: Callable[[dict], None] | None = None,
+) -> StageResult:
+    """Hedgehog stage 1: train only the feature maps so linear attention rows match softmax rows.
+
+    The model stays unwrapped (no DDP: most parameters are frozen); feature-map
+    gradients are averaged across processes by hand before each update. The
+    stage is short and deterministic given the seed, so it is checkpointed only
+    at its end (by the caller); a crash inside it re-runs it.
+    """
+    params = feature_map_parameters(model)
+    if not params:
+        raise LunaConvertError("this method's feature map has no trainable parameters to distil; set --distill-steps 0")
+    trainable = {id(p) for p in params}
+    saved_flags = {p: p.requires_grad for p in model.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in trainable)
+    layers = linear_attention_modules(model)
+    for layer in layers:
+        layer.distill = True
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    model.train()
+    step, epoch, loss_value, t0 = 0, 0, None, time.perf_counter()
+    bar, task = progress_bar(accelerator, "distil", steps)
+    try:
+        with bar:
+            while step < steps:
+                for batch in _batches(loader, accelerator, 0, epoch):
+                    batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+                    with accelerator.autocast():
+                        forward_logits(model, batch)
+                        loss = torch.stack([layer.distill_loss for layer in layers]).mean()
+                    _check_finite(loss, "distillation", step)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    for p in params:
+                        if p.grad is not None and accelerator.num_processes > 1:
+                            p.grad = accelerator.reduce(p.grad, reduction="mean")
+                    optimizer.step()
+                    step += 1
+                    loss_value = accelerator.reduce(loss.detach(), reduction="mean").item()
+                    bar.update(task, advance=1, info=f"loss {loss_value:.4f}")
+                    if log:
+                        log({"stage": "distill", "step": step, "loss": loss_value})
+                    if step >= steps:
+                        break
+                epoch += 1
+    finally:
+        for layer in layers:
+            layer.distill = False
+            layer.distill_loss = None
+        for p, flag in saved_flags.items():
+            p.requires_grad_(flag)
+    return StageResult("distill", step, time.perf_counter() - t0, loss_value)
+
+
+def _load_latest(accelerator, run_dir: Path) -> None:
+    state = read_trainer_state(run_dir)
+    if state is None:
+        raise LunaConvertError(f"nothing to resume in {run_dir}: no {STATE_FILE}; start a new run instead")
+    accelerator.load_state(str(run_dir / "checkpoints" / state["checkpoint"]))
+
+
+def make_scheduler(optimizer, schedule: str, warmup_steps: int, total_steps: int):
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        if schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        if schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        raise LunaConvertError(f"unknown schedule {schedule!r}; use linear, cosine or constant")
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def finetune(
+    accelerator, model: nn.Module, loader, *, steps: int, lr: float, weight_decay: float = 0.01,
+    schedule: str = "linear", warmup_ratio: float = 0.0, max_grad_norm: float = 1.0, run_dir: Path | None = None,
+    checkpoint_every: int = 0, start_step: int = 0, log: Callable[[dict], None] | None = None,
+    stage: str = "finetune",
+) -> tuple[nn.Module, StageResult]:
+    """Train every parameter on the task loss for ``steps`` optimizer updates.
+
+    Returns the prepared (possibly DDP-wrapped) model and the stage summary.
+    """
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim <= 1]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+    # accelerate steps the scheduler once per process per update; keep it in update units.
+    scheduler = make_scheduler(optimizer, schedule, int(warmup_ratio * steps), steps)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if start_step and run_dir is not None:
+        _load_latest(accelerator, run_dir)
+    accum = accelerator.gradient_accumulation_steps
+    batches_per_epoch = max(1, len(loader))
+    updates_per_epoch = max(1, batches_per_epoch // accum)
+    step, loss_value, t0 = start_step, None, time.perf_counter()
+    epoch, skip = step // updates_per_epoch, (step % updates_per_epoch) * accum
+    model.train()
+    bar, task = progress_bar(accelerator, stage, steps)
+    bar.update(task, completed=step)
+    with bar:
+        while step < steps:
+            for batch in _batches(loader, accelerator, skip, epoch):
+                with accelerator.accumulate(model):
+                    with accelerator.autocast():
+                        loss = task_loss(forward_logits(model, batch), batch["labels"])
+                    _check_finite(loss, stage, step)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients and max_grad_norm:
+                        accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                if not accelerator.sync_gradients:
+                    continue
+                step += 1
+                loss_value = accelerator.reduce(loss.detach(), reduction="mean").item()
+                bar.update(task, advance=1, info=f"loss {loss_value:.4f}")
+                if log:
+                    log({"stage": stage, "step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0]})
+                if run_dir is not None and checkpoint_every and step % checkpoint_every == 0 and step < steps:
+                    save_checkpoint(accelerator, run_dir, stage, step)
+                if step >= steps:
+                    break
+            epoch, skip = epoch + 1, 0
+    return model, StageResult(stage, step, time.perf_counter() - t0, loss_value)
