@@ -277,7 +277,7 @@ def _logger(accelerator, run_dir: Path):
 
 
 # ----------------------------------------------------------------------- eval
-def evaluate_model(path: str | Path, task_name: str | None = None, data_dir: str | None = None,
+def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | None = None,
                    split: str | None = None, batch_size: int = 64, max_length: int | None = None,
                    max_examples: int | None = None) -> dict:
     """Metrics of a saved converted model, a run folder, or an original checkpoint."""
@@ -296,7 +296,7 @@ def evaluate_model(path: str | Path, task_name: str | None = None, data_dir: str
     meta_file = path / "linear_attention.json"
     if meta_file.is_file():
         meta_task = json.loads(meta_file.read_text()).get("task")
-    task_name = task_name or run_config.get("task") or meta_task
+    task_name = task or run_config.get("task") or meta_task
     if not task_name:
         raise LunaConvertError(f"cannot tell which task {source} was trained for; pass --task")
     task = get_task(task_name)
