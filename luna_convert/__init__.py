@@ -15,8 +15,9 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "convert": "convert", "is_converted": "convert", "ConversionConfig": "convert", "ConversionReport": "convert",
-    "methods": "methods", "METHODS": "methods", "FEATURE_MAPS": "feature_maps",
+    "convert": "conversion", "is_converted": "conversion", "ConversionConfig": "conversion",
+    "ConversionReport": "conversion",
+    "methods": "method_specs", "METHODS": "method_specs", "FEATURE_MAPS": "feature_maps",
     "save": "serialization", "load": "serialization", "create_timm_model": "models",
     "LunaConvertError": "errors", "ConversionError": "errors", "UnknownNameError": "errors",
 }

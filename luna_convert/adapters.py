@@ -52,6 +52,11 @@ def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     """
     if mask is None:
         return None
+    if not isinstance(mask, torch.Tensor):  # e.g. a flex-attention BlockMask
+        raise ValueError(
+            f"linear attention cannot read a {type(mask).__name__} attention mask; load the model with "
+            "attn_implementation='eager' or 'sdpa'"
+        )
     if mask.dtype == torch.bool:
         keep = mask
     elif mask.dim() == 2 and not bool((mask < 0).any()):

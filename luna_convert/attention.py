@@ -31,6 +31,9 @@ class DepthwiseConvBranch(nn.Module):
 
     def __init__(self, head_dim: int, kernel_size: int = 3, spatial: bool = False):
         super().__init__()
+        if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+            # an even kernel with padding k // 2 would change the sequence length
+            raise ValueError(f"dwc_kernel must be a positive odd integer, got {kernel_size!r}")
         conv = nn.Conv2d if spatial else nn.Conv1d
         self.spatial = spatial
         self.conv = conv(head_dim, head_dim, kernel_size, padding=kernel_size // 2, groups=head_dim)

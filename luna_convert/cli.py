@@ -46,6 +46,9 @@ DEBUG = {"on": False}
 def _main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")) -> None:
     DEBUG["on"] = debug or DEBUG["on"]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # The libraries' own tqdm bars (loading/writing weights) would interleave with ours and with
+    # one-line error messages; read by huggingface_hub/transformers when they are first imported.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _overrides(cli: dict, sets: List[str]) -> dict:
@@ -61,10 +64,21 @@ def run(
     recipe: Optional[str] = typer.Argument(None, help="Recipe name (see `luna-convert recipes`) or a YAML file."),
     method: Optional[str] = typer.Option(None, "--method", "-m", help="luna, t2r, t2r-hh or hedgehog."),
     model: Optional[str] = typer.Option(None, "--model", help="Hub id, local folder or timm:<name>."),
-    task: Optional[str] = typer.Option(None, "--task", help="Task name (GLUE task, imagenet, digits, ...)."),
-    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local data: GLUE TSVs, csv/jsonl/parquet, ImageFolder."),
+    task: Optional[str] = typer.Option(None, "--task", help="Task name (GLUE task, imagenet, digits, ...); own data: "
+                                       "text-classification, text-pair-classification, text-regression, "
+                                       "image-classification [inferred from the model and data]."),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local data: GLUE TSVs, csv/tsv/jsonl/parquet, "
+                                           "ImageFolder, a save_to_disk folder, or hf:<dataset id>."),
     output_dir: Optional[str] = typer.Option(None, "--output-dir", help="Parent folder for run outputs [outputs]."),
     eval_split: Optional[str] = typer.Option(None, "--eval-split", help="Evaluation split [the task's dev split]."),
+    train_split: Optional[str] = typer.Option(None, "--train-split", help="Training split [train]."),
+    text_column: Optional[str] = typer.Option(None, "--text-column", help="Own data: the text column [detected]."),
+    text_pair_column: Optional[str] = typer.Option(None, "--text-pair-column", help="Own data: the second text column."),
+    label_column: Optional[str] = typer.Option(None, "--label-column", help="Own data: the label column [detected]."),
+    metric: Optional[str] = typer.Option(None, "--metric", help="Headline metric, e.g. accuracy, macro_f1, "
+                                         "matthews_correlation, pearson, spearmanr, mse [by task type]."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Own data: print what is inferred from the model and "
+                                 "data (task, columns, splits, labels, settings) and stop."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Finetune optimizer steps (overrides epochs)."),
     epochs: Optional[float] = typer.Option(None, "--epochs"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size"),
@@ -75,27 +89,72 @@ def run(
     mixed_precision: Optional[str] = typer.Option(None, "--mixed-precision", help="no, bf16 or fp16."),
     set_: List[str] = typer.Option([], "--set", help="Any recipe setting as key=value (repeatable), e.g. train.lr=3e-5."),
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this folder from its last checkpoint."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Allow writing into an existing run folder."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Let a new run replace the run in an existing "
+                                   "--run-dir folder (its results, checkpoints and model are deleted)."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Write the run into this folder "
+                                           "[OUTPUT_DIR/<recipe>-<method>-<time>]; refused if it holds files, "
+                                           "unless --overwrite."),
 ) -> None:
     """Convert a model and train it back; writes outputs/<recipe>-<method>-<time>/."""
     from .recipes import apply_overrides, load_recipe
 
     if resume is not None:
+        given = {"recipe": recipe, "--method": method, "--model": model, "--task": task, "--data-dir": data_dir,
+                 "--output-dir": output_dir, "--eval-split": eval_split, "--train-split": train_split,
+                 "--text-column": text_column, "--text-pair-column": text_pair_column, "--label-column": label_column,
+                 "--metric": metric, "--max-steps": max_steps, "--epochs": epochs, "--batch-size": batch_size,
+                 "--lr": lr, "--max-length": max_length, "--distill-steps": distill_steps, "--seed": seed,
+                 "--mixed-precision": mixed_precision, "--set": set_ or None, "--run-dir": run_dir,
+                 "--overwrite": overwrite or None}
+        if any(v is not None for v in given.values()):
+            _guard(lambda: _resume_alone([k for k, v in given.items() if v is not None]))
         results = _guard(lambda: _run_pipeline(None, resume=resume))
     else:
         cli = {"method": method, "model": model, "task": task, "data_dir": data_dir, "output_dir": output_dir,
                "eval_split": eval_split, "seed": seed, "train.max_steps": max_steps, "train.epochs": epochs,
                "train.batch_size": batch_size, "train.lr": lr, "train.max_length": max_length,
-               "train.mixed_precision": mixed_precision, "distill.steps": distill_steps}
+               "train.mixed_precision": mixed_precision, "distill.steps": distill_steps,
+               "train_split": train_split, "metric": metric, "columns.text": text_column,
+               "columns.text_pair": text_pair_column, "columns.label": label_column}
 
         def build():
-            config = apply_overrides(load_recipe(recipe), _overrides(cli, set_))
+            overrides = _overrides(cli, set_)
+            config = apply_overrides(load_recipe(recipe), overrides)
             config["overwrite"] = overwrite
+            if run_dir is not None:
+                config["run_dir"] = str(run_dir)
+            if recipe is None:  # own model + own data: unset training settings are chosen from their sizes
+                from .autoconfig import mark_auto
+
+                mark_auto(config, overrides)
             return config
 
         config = _guard(build)
+        if dry_run:
+            _guard(lambda: _dry_run(config))
+            return
         results = _guard(lambda: _run_pipeline(config))
     _print_results(results)
+
+
+def _resume_alone(given: list) -> None:
+    from .errors import LunaConvertError
+
+    raise LunaConvertError(f"--resume continues a run with the settings saved in its config.json; drop "
+                           f"{', '.join(given)} (or start a new run with them)")
+
+
+def _dry_run(config: dict) -> None:
+    from .autoconfig import needs_resolution, resolve_own_data
+    from .errors import LunaConvertError
+    from .models import load_model
+    from .pipeline import validate
+
+    validate(config)
+    if not needs_resolution(config):
+        raise LunaConvertError("--dry-run shows what is inferred for your own data: pass --model and --data-dir "
+                               "without a recipe (and without a GLUE/image benchmark --task)")
+    resolve_own_data(config, load_model(config["model"]), say=console.print)
 
 
 def _run_pipeline(config, resume=None):
@@ -103,7 +162,7 @@ def _run_pipeline(config, resume=None):
 
     if config is not None:
         console.print(f"[bold]luna-convert[/] {config['name'] or ''} method={config['method']} model={config['model']} "
-                      f"task={config['task']}")
+                      f"task={config['task'] or 'auto'}")
     return run_conversion(config, resume=resume, console=console)
 
 
@@ -124,6 +183,10 @@ def _print_results(results: dict) -> None:
     console.print(f"* headline metric. {results['eval_examples']} eval examples; "
                   f"{results['steps']['distill']} distil + {results['steps']['finetune']} finetune steps; "
                   f"{results['timings']['total_s']:.0f} s")
+    cut = {k: v for k, v in (results.get("truncated_by_split") or {}).items() if v}
+    if cut:
+        console.print(f"truncated to max_length {results['config']['train']['max_length']}: "
+                      + ", ".join(f"{n} {split} examples" for split, n in cut.items()))
 
 
 def _is_main() -> bool:
@@ -173,7 +236,7 @@ def recipes() -> None:
 @app.command()
 def methods() -> None:
     """List the conversion methods."""
-    from .methods import methods as list_methods
+    from .method_specs import methods as list_methods
 
     for name, description in list_methods().items():
         console.print(f"[bold]{name:<10}[/] {escape(description)}")
@@ -227,6 +290,28 @@ def bench(
         kwargs["lengths"] = tuple(int(x) for x in lengths.split(","))
     _guard(lambda: run_benchmark(out, **kwargs))
     console.print(f"wrote {out}")
+
+
+@app.command("attention-map")
+def attention_map(
+    path: Path = typer.Argument(..., help="A run folder (outputs/<run>) or a converted model folder."),
+    text: Optional[str] = typer.Option(None, "--text", help="Text model: the sentence to look at."),
+    image: Optional[str] = typer.Option(None, "--image", help="Image model: an image file, or digits:N "
+                                        "(scikit-learn's digit N, for the demo model)."),
+    layer: int = typer.Option(-1, "--layer", help="Converted attention layer, 0-based; -1: the last."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="PNG to write "
+                                          "[attention-map-<run>-layer<L>.png]."),
+    original: str = typer.Option("converted", "--original", help="Softmax row from: converted (the same "
+                                 "model's q, k), teacher (the run's original model) or a model folder."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing PNG."),
+) -> None:
+    """CLS attention of softmax vs linear attention for one input (the LUNA paper's Figure 4), as a PNG."""
+    from .attention_map import attention_map_command
+
+    out, amap = _guard(lambda: attention_map_command(path, text=text, image=image, layer=layer, output=output,
+                                                     original=original, overwrite=overwrite))
+    console.print(f"wrote {out} (layer {amap.layer} of 0..{amap.num_layers - 1}, softmax row from {amap.original})",
+                  soft_wrap=True, highlight=False)
 
 
 def _guard(fn):

@@ -48,7 +48,7 @@ _SPLIT_STEMS: dict[str, tuple[str, ...]] = {
 }
 _IMAGE_SPLIT_DIRS: dict[str, tuple[str, ...]] = {
     "train": ("train",),
-    "validation": ("validation", "val", "valid"),
+    "validation": ("validation", "val", "valid", "dev"),
     "test": ("test",),
 }
 _SPLIT_ALIASES = {"val": "validation", "valid": "validation", "dev": "validation", "dev_matched": "validation_matched",
@@ -390,7 +390,11 @@ def _pick_column(cols: dict[str, list], name: str, aliases: Sequence[str], used:
 
 
 def _read_table_split(task: TaskSpec, path: Path, split: str):
-    cols = _read_table(path)
+    return _columns_to_dataset(task, _read_table(path), path, split)
+
+
+def _columns_to_dataset(task: TaskSpec, cols: dict[str, list], path, split: str):
+    """A table's columns (name -> values) as the task's Dataset; ``path`` names the source in errors."""
     n = max((len(v) for v in cols.values()), default=0)
     if not cols or n == 0:
         raise LunaConvertError(
@@ -698,10 +702,13 @@ def load_split(task: TaskSpec | str, split: str, data_dir: str | Path | None = N
     task = get_task(task)
     if task.name == "digits":
         data_dir = None  # shipped with scikit-learn
+    if data_dir is not None and datasets_source(data_dir) is not None:  # save_to_disk folder or hf:<id>
+        return _load_datasets_split(task, split, data_dir, max_examples, seed)
     if data_dir is not None:
         data_dir = Path(data_dir).expanduser()
         if not data_dir.exists():
-            raise LunaConvertError(f"data folder {data_dir} does not exist; check --data-dir")
+            raise LunaConvertError(f"data folder {data_dir} does not exist; check --data-dir "
+                                   f"(a hub dataset is written hf:<dataset id>)")
         if not data_dir.is_dir():
             raise LunaConvertError(f"--data-dir {data_dir} is a file; pass the folder that holds the split files")
     if task.kind == "image":
@@ -830,7 +837,8 @@ def align_labels(dataset, task: TaskSpec | str, id2label: dict[int, str] | None,
     present = sorted({y for y in new if y >= 0})
     if len(present) > num_labels or (present and present[-1] >= num_labels):
         raise LunaConvertError(
-            f"the data has {len(present)} distinct label(s) {present[:10]} but the model has {shown}; "
+            f"the data has {len(present)} distinct label(s) {present[:10]} but the model has {shown} "
+            f"(ids 0..{num_labels - 1}); "
             f"use a model with at least {max(len(present), present[-1] + 1)} classes or check --task"
         )
     if changed:  # plain int64 ids (a hub ClassLabel's names would no longer fit)
@@ -952,6 +960,7 @@ def make_text_dataloader(dataset, task: TaskSpec | str, tokenizer, *, batch_size
     loader = DataLoader(_TokenizedDataset(features, labels), batch_size=batch_size, shuffle=shuffle,
                         collate_fn=collate, generator=generator)
     loader.num_truncated = truncated
+    loader.longest = max((len(ids) for ids in features["input_ids"]), default=0)  # tokens, after truncation
     loader.num_examples = len(labels)
     loader.max_length = max_length
     return loader
@@ -983,16 +992,32 @@ def image_transform(mean, std, image_size: int, train: bool, *, crop_pct: float 
 
 
 class _TransformedImages:
-    def __init__(self, dataset, transform):
+    """Applies ``transform`` to each image. Random transforms draw from torch's generator re-seeded
+    from (seed, epoch, index) inside a forked RNG: an example's augmentation does not depend on what
+    was loaded before it (so a resumed run sees the same pixels) and loading never consumes the
+    global RNG that dropout uses. Training loops call ``set_epoch`` so each epoch differs."""
+
+    def __init__(self, dataset, transform, seed: int = 0):
         self.dataset = dataset
         self.transform = transform
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, i: int):
+        import torch
+
         img, y = self.dataset[i]
-        return (self.transform(img) if self.transform is not None else img), int(y)
+        if self.transform is None:
+            return img, int(y)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(((self.seed * 1_000_003 + self.epoch) * 1_000_033 + int(i)) % (2**63))
+            return self.transform(img), int(y)
 
 
 def _collate_images(items):
@@ -1013,9 +1038,175 @@ def make_image_dataloader(dataset, transform, *, batch_size: int, shuffle: bool 
         raise LunaConvertError(f"batch size must be at least 1, got {batch_size}")
     generator = torch.Generator()
     generator.manual_seed(int(seed))
-    loader = DataLoader(_TransformedImages(dataset, transform), batch_size=batch_size, shuffle=shuffle,
+    loader = DataLoader(_TransformedImages(dataset, transform, seed), batch_size=batch_size, shuffle=shuffle,
                         num_workers=num_workers, collate_fn=_collate_images, generator=generator,
                         persistent_workers=False)
     loader.num_examples = len(dataset)
     loader.classes = list(getattr(dataset, "classes", []) or [])
     return loader
+
+
+# --------------------------------------------------------------------------------------
+# datasets sources: a folder written by ``save_to_disk`` or a hub dataset ``hf:<id>[:<config>]``
+
+HUB_PREFIX = "hf:"
+_HUB_CACHE: dict[str, Any] = {}
+
+
+def datasets_source(data_dir: str | Path) -> str | None:
+    """``"hub"`` for ``hf:<id>``, ``"saved"`` for a folder written by ``save_to_disk``, else None."""
+    s = str(data_dir)
+    if s.startswith(HUB_PREFIX):
+        return "hub"
+    path = Path(s).expanduser()
+    if path.is_dir() and ((path / "dataset_dict.json").is_file()
+                          or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())):
+        return "saved"
+    return None
+
+
+def load_datasets_dict(data_dir: str | Path):
+    """The ``datasets.DatasetDict`` behind a save_to_disk folder or ``hf:<id>[:<config>]``; a single
+    saved ``Dataset`` becomes the ``train`` split."""
+    import datasets
+
+    s = str(data_dir)
+    kind = datasets_source(s)
+    if kind == "hub":
+        if s in _HUB_CACHE:
+            return _HUB_CACHE[s]
+        name, _, config = s[len(HUB_PREFIX):].partition(":")
+        if not name:
+            raise LunaConvertError("--data-dir hf: needs a dataset id, e.g. hf:stanfordnlp/imdb or hf:nyu-mll/glue:sst2")
+        try:
+            dd = datasets.load_dataset(name, config or None)
+        except Exception as e:  # noqa: BLE001 - offline / unknown id / bad config all end here
+            reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            raise LunaConvertError(
+                f"cannot load hub dataset {name!r}{f' config {config!r}' if config else ''} ({reason}); "
+                "without a hub connection, save it with save_to_disk elsewhere and pass that folder as --data-dir"
+            ) from None
+    elif kind == "saved":
+        try:
+            dd = datasets.load_from_disk(str(Path(s).expanduser()))
+        except Exception as e:  # noqa: BLE001 - any reader failure is a bad folder
+            raise LunaConvertError(f"cannot read the saved dataset in {s} ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
+    else:
+        raise LunaConvertError(f"{s} is neither a save_to_disk folder nor hf:<dataset id>")
+    if isinstance(dd, datasets.Dataset):
+        dd = datasets.DatasetDict({"train": dd})
+    if kind == "hub":
+        _HUB_CACHE[s] = dd
+    return dd
+
+
+def datasets_split_name(dd, split: str, where: str) -> str:
+    """The key of ``split`` in a DatasetDict (``validation`` also finds dev/val/valid)."""
+    if split in dd:
+        return split
+    canon = _canonical_split(split)
+    for cand in (canon, *_SPLIT_STEMS.get(canon, ())):
+        if cand in dd:
+            return cand
+    raise LunaConvertError(f"{where} has no split {split!r}; its splits are {', '.join(dd) or 'none'}; "
+                           "name them with --train-split / --eval-split")
+
+
+def datasets_image_column(ds) -> str | None:
+    """The first column holding images (a ``datasets.Image`` feature, else one named image/img)."""
+    import datasets
+
+    for name, feature in ds.features.items():
+        if isinstance(feature, datasets.Image):
+            return name
+    return next((c for c in ds.column_names if c.lower() in ("image", "img")), None)
+
+
+def datasets_class_names(dd, column: str) -> list[str]:
+    """Class names of a label column over all splits: a ClassLabel's names, else the sorted distinct
+    values (integers give "0".."max")."""
+    import datasets
+
+    for ds in dd.values():
+        feature = ds.features.get(column)
+        if isinstance(feature, datasets.ClassLabel):
+            return list(feature.names)
+    values = {v for ds in dd.values() if column in ds.column_names for v in ds[column] if not _is_missing(v)}
+    ints = [_try_int(v) for v in values]
+    if values and all(i is not None for i in ints):
+        return [str(i) for i in range(max(ints) + 1)]
+    return sorted(str(v) for v in values)
+
+
+class DatasetsImageDataset(_ImageDatasetBase):
+    """(PIL RGB image, class id) pairs from a ``datasets.Dataset`` with an image and a label column."""
+
+    def __init__(self, dataset, image_column: str, label_column: str, classes: list[str]):
+        self.dataset = dataset
+        self.image_column, self.label_column = image_column, label_column
+        self.classes = list(classes)
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        self.label_map = None
+
+    def _class_id(self, y) -> int:
+        i = _try_int(y)
+        if i is None:
+            i = self.class_to_idx[str(y)]
+        return self._target(i)
+
+    @property
+    def targets(self) -> list[int]:
+        return [self._class_id(y) for y in self.dataset[self.label_column]]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        from PIL import Image
+
+        row = self.dataset[int(index)]
+        img = row[self.image_column]
+        if isinstance(img, dict):  # undecoded {"bytes", "path"}
+            import io
+
+            img = Image.open(io.BytesIO(img["bytes"])) if img.get("bytes") else Image.open(img["path"])
+        elif not isinstance(img, Image.Image):
+            import numpy as np
+
+            img = Image.fromarray(np.asarray(img, dtype=np.uint8))
+        return img.convert("RGB"), self._class_id(row[self.label_column])
+
+    def subset(self, indices: Sequence[int]) -> "DatasetsImageDataset":
+        out = DatasetsImageDataset(self.dataset.select(list(indices)), self.image_column, self.label_column,
+                                   self.classes)
+        out.label_map = self.label_map
+        return out
+
+    def __repr__(self) -> str:
+        return f"DatasetsImageDataset(classes={len(self.classes)}, samples={len(self)})"
+
+
+def _load_datasets_split(task: TaskSpec, split: str, data_dir, max_examples: int | None, seed: int):
+    import datasets
+
+    dd = load_datasets_dict(data_dir)
+    name = datasets_split_name(dd, split, str(data_dir))
+    ds = dd[name]
+    where = f"{data_dir} split {name!r}"
+    if len(ds) == 0:
+        raise LunaConvertError(f"{where} has no examples")
+    idx = _subset_indices(len(ds), max_examples, shuffle=_canonical_split(split) == "train", seed=seed)
+    if task.kind == "image":
+        image_column = datasets_image_column(ds)
+        label_column = _pick_column({c: None for c in ds.column_names}, task.label_column,
+                                    (*_LABEL_ALIASES, "fine_label"), {image_column})
+        if image_column is None or label_column is None:
+            raise LunaConvertError(f"{where} has columns {ds.column_names} but image classification needs an image "
+                                   f"column and a label column ({task.label_column!r})")
+        out = DatasetsImageDataset(ds, image_column, label_column, datasets_class_names(dd, label_column))
+        return out.subset(idx) if idx is not None else out
+    if idx is not None:
+        ds = ds.select(idx)
+    cols = {c: list(ds[c]) for c, f in ds.features.items() if isinstance(f, (datasets.Value, datasets.ClassLabel))}
+    return _columns_to_dataset(task, cols, where, split)

@@ -152,12 +152,13 @@ class LunaFeatureMap(FeatureMap):
         if self.fast and isinstance(self.psi, ScalarChannels):
             from .kernels import scalar_channels
 
-            feats = scalar_channels(u, self.psi)
+            # 1/sqrt(M) folded into the kernel's tables: no extra pass over the features.
+            feats = scalar_channels(u, self.psi, scale=1.0 / math.sqrt(self.projections))
         else:
-            feats = self.psi(u)  # [B, H, N, M, L]
+            feats = self.psi(u) / math.sqrt(self.projections)  # [B, H, N, M, L]
         if self.envelope is not None:
             feats = feats * torch.sigmoid(self.envelope(x))[..., None, :]
-        return feats.flatten(-2) / math.sqrt(self.projections)
+        return feats.flatten(-2)
 
 
 # ---------------------------------------------------------------------------- T2R

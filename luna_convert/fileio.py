@@ -13,16 +13,38 @@ from typing import Iterator
 from .errors import LunaConvertError
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# mkstemp/mkdtemp create 0600 files and 0700 folders; what appears should have the usual
+# permissions (as open() and mkdir() would have given), not be private to the writer.
+_UMASK = _umask()
+FILE_MODE, DIR_MODE = 0o666 & ~_UMASK, 0o777 & ~_UMASK
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write to a temporary file in the same folder, fsync, then rename over ``path``."""
+    _atomic_write(path, text, "w")
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """:func:`atomic_write_text` for binary content (e.g. a PNG)."""
+    _atomic_write(path, data, "wb")
+
+
+def _atomic_write(path: str | Path, content, mode: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, mode) as f:
+            f.write(content)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -36,19 +58,33 @@ def atomic_write_json(path: str | Path, data) -> None:
 
 @contextlib.contextmanager
 def atomic_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success it replaces ``path`` in one rename."""
+    """Yield a temporary sibling folder; on success it takes the place of ``path``.
+
+    A new ``path`` appears in one rename. An existing one is swapped by two renames (old aside,
+    new in); a crash between them leaves the old folder as ``.<name>.old``, which the next call
+    for ``path`` puts back first. Either way, ``path`` is never a half-written folder.
+    """
     path = Path(path)
+    old = path.with_name(f".{path.name}.old")
+    if not path.exists() and old.is_dir():  # a swap was interrupted between its two renames
+        os.replace(old, path)
+    if path.exists() and not path.is_dir():
+        raise LunaConvertError(f"{path} is a file; choose a folder name")
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise LunaConvertError(f"{path} already exists and is not empty; choose another folder or pass --overwrite")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         yield tmp
+        os.chmod(tmp, DIR_MODE)
         if path.exists():
-            old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                os.replace(old, path)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)

@@ -1,5 +1,7 @@
-"""Fast evaluation of the LUNA scalar channel bank (see ``feature_maps.ScalarChannels``).
+"""Fast kernels for linear attention: the LUNA scalar channel bank, the linear-attention
+core and the depthwise convolution over tokens.
 
+LUNA channel bank (``scalar_channels``, the fast path of ``feature_maps.ScalarChannels``).
 Every channel of the bank,
 
     psi_l(u) = relu( sum_h w2[l, h] * relu(w1[r, h] * u + b1[r, h]) + b2[l] ),   r = l (or 0 if shared),
@@ -8,27 +10,27 @@ is a piecewise-linear function of the scalar u. Hidden unit (r, h) switches at
 its knot t = -b1 / w1: for w1 > 0 it is active (w1 u + b1 > 0) when u > t, for
 w1 < 0 when u < t, and a unit with w1 == 0 is a constant, active everywhere if
 b1 > 0 and nowhere otherwise. Sorting all knots of the bank (K = rows x hidden
-of them, at most 512 with the defaults) cuts the real line into K + 1
-intervals; on interval k every channel is affine,
+of them, 512 with the defaults) cuts the real line into K + 1 intervals; on
+interval k every channel is affine,
 
     inner_l(u) = slope[k, l] * u + intercept[k, l],
 
-with ``slope[k, l] = sum_h act[k, r, h] w2[l, h] w1[r, h]`` and
-``intercept[k, l] = b2[l] + sum_h act[k, r, h] w2[l, h] b1[r, h]`` where
-``act[k, r, h]`` says whether unit (r, h) is active on interval k.
+slope and intercept being sums of ``w2 * w1`` and ``w2 * b1`` over the units
+active on that interval. The tables are built from the four parameters with
+ordinary differentiable torch ops (a cumulative sum over the sorted knots,
+O(K L)), so autograd carries their gradients back to the parameters.
 
-So one ``searchsorted`` per scalar (not per channel: the knots of all channels
-are merged) and one row gather from a small [K + 1, 2L] table give all L
-outputs; nothing of size ``hidden`` is ever expanded per token.
-
-The tables are built with ordinary differentiable torch ops from the four
-parameters (a tiny [K + 1, rows, hidden] computation), so their gradients come
-from autograd. The per-token part is a custom autograd function whose
-backward needs only per-interval sums of ``g`` and ``g * u`` (a histogram over
-the interval index, ``index_add_``) plus ``g * slope`` for the input. It saves
-u, the int32 interval index and its own output (which the linear attention
-downstream keeps alive anyway), never N x M x L x hidden values. Work runs in
-cache-sized chunks of tokens.
+Per token there is then one interval search per scalar (not per channel: the
+knots of all channels are merged) and one row gather from the [K + 1, 2L]
+table for all L outputs; nothing of size ``hidden`` is ever expanded per
+token. On the CPU the search is a grid of cells over x / (1 + |x|) with at most
+a few comparisons per cell (``torch.searchsorted`` costs ~50 ns a scalar there);
+elsewhere it is ``torch.searchsorted``. The per-token part is a custom autograd
+function whose backward needs only per-interval sums of ``g`` and ``g * u`` (a
+histogram over the interval index, ``index_add_``) plus ``g * slope`` for u. It
+saves u, the int16 interval index and its own output (which the linear
+attention downstream keeps alive anyway), never N x M x L x hidden values, and
+works in cache-sized chunks of tokens.
 
 Numerics: tables are built in float64, evaluation runs in float32 (float64
 for float64 inputs) with autocast disabled, and the result has the input's
@@ -36,16 +38,29 @@ dtype. At a knot exactly (u == t, a set of measure zero) the value is the same
 as the reference's; the subgradient for the parameters of a decreasing unit
 (w1 < 0) counts the unit as active there, where ``torch.relu`` would count it
 as inactive.
+
+``linear_attention_core``: phi_q S / (phi_q z + eps) with a hand-written
+backward (fewer passes over [N, d] tensors, contiguous gradients).
+
+``depthwise_conv_tokens``: depthwise Conv1d/Conv2d over tokens in the
+[..., tokens, C] layout as shifted multiply-adds, with a matching backward.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import weakref
+
 import torch
 
-# Scalars (tokens x heads x projections) per chunk on the CPU: the chunk's
-# [chunk, 2L] gather and [chunk, L] output stay in the L2 cache.
-CPU_CHUNK = 1 << 15
+# Scalars (tokens x heads x projections) per chunk on the CPU: a chunk's
+# [chunk, 2L] gathered pieces and [chunk, L] output stay in the L2 cache.
+CPU_CHUNK = 1 << 14
 GPU_CHUNK = 1 << 22
+# Grid locator: at most this many knots may share a cell (else a finer grid, then searchsorted).
+MAX_KNOTS_PER_CELL = 4
+MAX_CELLS = 1 << 17
 
 
 def channel_tables(psi, dtype: torch.dtype = torch.float64, scale: float = 1.0):
@@ -57,82 +72,197 @@ def channel_tables(psi, dtype: torch.dtype = torch.float64, scale: float = 1.0):
     index ``torch.searchsorted(knots, u)`` returns. slope and intercept are
     differentiable functions of ``psi``'s parameters and include the factor
     ``scale`` (which must be > 0 so that relu commutes with it).
+
+    Below every knot the active units are the decreasing ones (w1 < 0) and the
+    constant ones with b1 > 0; crossing a knot switches on its unit if w1 > 0
+    and off if w1 < 0. So the table is that first row plus a cumulative sum
+    over the knots in sorted order of +-(the unit's contribution): O(K L)
+    work, no [K, rows, hidden] activity tensor.
     """
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
     w1, b1, w2, b2 = (p.to(dtype) for p in (psi.w1, psi.b1, psi.w2, psi.b2))
     rows, hidden = w1.shape
+    channels = w2.shape[0]
     with torch.no_grad():
-        pos, neg = w1 > 0, w1 < 0
-        moving = pos | neg
-        knot = torch.where(moving, -b1 / torch.where(moving, w1, torch.ones_like(w1)), torch.full_like(w1, float("inf")))
+        sign = torch.sign(w1)
+        moving = sign != 0
+        safe_w1 = torch.where(moving, w1, torch.ones_like(w1))
+        knot = torch.where(moving, -b1 / safe_w1, torch.full_like(w1, float("inf")))
         knots, order = knot.flatten().sort()
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(order.numel(), device=order.device)
-        rank = rank.view(rows, hidden)
-        k = torch.arange(knots.numel() + 1, device=w1.device).view(-1, 1, 1)
-        act = torch.where(pos, k > rank, torch.where(neg, k <= rank, b1 > 0)).to(dtype)  # [K+1, rows, hidden]
-    wa, wc = w2 * w1, w2 * b1  # [L, hidden] (w1/b1 rows broadcast when shared)
+        first = ((sign < 0) | (~moving & (b1 > 0))).to(dtype).flatten()  # active below every knot
+        step = sign.flatten()[order]  # +1 switches on, -1 off, 0 never changes
+    # Contribution of unit (r, h) to channel l: [rows * hidden, L]; block diagonal unless shared.
+    wa, wc = w2 * w1, w2 * b1  # [L, hidden]
     if rows == 1:
-        slope = act[:, 0] @ wa.T
-        intercept = act[:, 0] @ wc.T + b2
+        unit_a, unit_c = wa.T, wc.T
     else:
-        slope = torch.einsum("klh,lh->kl", act, wa)
-        intercept = torch.einsum("klh,lh->kl", act, wc) + b2
-    if scale != 1.0:
-        if not scale > 0:
-            raise ValueError(f"scale must be positive, got {scale}")
-        slope, intercept = slope * scale, intercept * scale
-    return knots, slope, intercept
+        eye = torch.eye(channels, dtype=dtype, device=w1.device)
+        unit_a = (wa[:, :, None] * eye[:, None, :]).reshape(rows * hidden, channels)
+        unit_c = (wc[:, :, None] * eye[:, None, :]).reshape(rows * hidden, channels)
+    tables = []
+    for unit, offset in ((unit_a, None), (unit_c, b2)):
+        base = first @ unit if offset is None else first @ unit + offset  # [L]
+        steps = unit.index_select(0, order) * step[:, None]
+        tables.append(torch.cat([base[None], base + torch.cumsum(steps, 0)], 0) * scale)
+    slope, intercept = tables
+    return knots, slope.contiguous(), intercept.contiguous()
+
+
+def _grid_cell(x: torch.Tensor, cells: int) -> torch.Tensor:
+    """A monotone non-decreasing map of floats to cells 0..cells-1 (NaN -> 0).
+
+    x / (1 + |x|) squeezes the real line into (-1, 1), so heavy-tailed knot
+    sets (t = -b1/w1 is a ratio of two random numbers) still spread over the
+    cells. Knots and inputs go through the very same float ops, so a knot in
+    a lower cell than u is always below u, whatever the rounding.
+    """
+    v = x.abs().clamp_(max=1e30).add_(1)
+    v = torch.div(x, v, out=v)
+    v.add_(1).mul_(cells / 2).clamp_(0, cells - 1).nan_to_num_(0.0)
+    return v.to(torch.int64)
+
+
+class _Locator:
+    """``searchsorted(knots, u)`` (number of knots < u) for a fixed sorted knot vector.
+
+    On the CPU ``torch.searchsorted`` costs ~50 ns a scalar; a grid of cells
+    does it in a few vectorised passes: index = (knots in lower cells) +
+    (knots in u's cell below u), with at most ``MAX_KNOTS_PER_CELL``
+    comparisons. Falls back to searchsorted when knots crowd one cell
+    (e.g. many identical knots).
+    """
+
+    def __init__(self, knots: torch.Tensor, use_grid: bool):
+        self.knots, self.start, self.kpad = knots, None, []
+        if not use_grid:
+            return
+        # Knots at +inf (constant units) are never below any u: leave them out.
+        kf = knots[knots != float("inf")]
+        if kf.numel() == 0:
+            self.cells, self.start = 1, torch.zeros(1, dtype=torch.int64, device=knots.device)
+            return
+        cells = max(1024, 1 << math.ceil(math.log2(8 * kf.numel())))
+        while True:
+            cell = _grid_cell(kf, cells)
+            counts = torch.bincount(cell, minlength=cells)
+            most = int(counts.max())
+            if most <= MAX_KNOTS_PER_CELL:
+                break
+            if cells * 8 > MAX_CELLS:
+                return  # crowded: searchsorted
+            cells *= 8
+        first = torch.cumsum(counts, 0) - counts
+        order = torch.argsort(cell, stable=True)
+        sorted_cell = cell[order]
+        slot = torch.arange(sorted_cell.numel(), device=knots.device) - first[sorted_cell]
+        kpad = torch.full((most, cells), float("inf"), dtype=knots.dtype, device=knots.device)
+        kpad[slot, sorted_cell] = kf[order]
+        self.cells, self.start, self.kpad = cells, first, list(kpad.unbind(0))
+
+    def __call__(self, u: torch.Tensor) -> torch.Tensor:
+        """int64 interval index of every element of the 1-D tensor u."""
+        if self.start is None:
+            return torch.searchsorted(self.knots, u)
+        cell = _grid_cell(u, self.cells)
+        index = self.start.index_select(0, cell)
+        for kp in self.kpad:
+            index += u > kp.index_select(0, cell)
+        return index
 
 
 class _PiecewiseLinearReLU(torch.autograd.Function):
-    """out[n, l] = relu(slope[idx_n, l] * u_n + intercept[idx_n, l]), idx_n = searchsorted(knots, u_n)."""
+    """out[..., l] = relu(slope[i, l] * u + intercept[i, l]) with i = searchsorted(knots, u), per element of u.
+
+    Saves u, the interval index (int16/int32) and the output; the backward
+    turns the output gradient into per-interval sums of g and g * u
+    (``index_add_``), which autograd then carries back to the parameters
+    through the table construction.
+    """
 
     @staticmethod
-    def forward(ctx, u, knots, slope, intercept, out_dtype, chunk):
+    def forward(ctx, u, slope, intercept, locate, out_dtype, chunk, track):
         n, channels = u.numel(), slope.shape[1]
+        flat_u = u.reshape(-1)
         table = torch.cat([slope, intercept], 1)  # [K+1, 2L]
-        out = torch.empty((n, channels), dtype=out_dtype, device=u.device)
-        index = torch.empty(n, dtype=torch.int32, device=u.device)
+        out = torch.empty((*u.shape, channels), dtype=out_dtype, device=u.device)
+        flat_out = out.view(n, channels)
+        index_dtype = torch.int16 if table.shape[0] <= torch.iinfo(torch.int16).max else torch.int32
+        saved_index = torch.empty(n if track else 0, dtype=index_dtype, device=u.device)
         same = out_dtype == u.dtype
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            uc, ic = u[s:e], index[s:e]
-            torch.searchsorted(knots, uc, out_int32=True, out=ic)
-            piece = table.index_select(0, ic).view(-1, 2, channels)
+            uc = flat_u[s:e]
+            index = locate(uc)
+            if track:
+                saved_index[s:e] = index
+            piece = table.index_select(0, index).view(-1, 2, channels)
             if same:
-                oc = out[s:e]
+                oc = flat_out[s:e]
                 torch.addcmul(piece[:, 1], uc[:, None], piece[:, 0], out=oc)
                 oc.relu_()
             else:
-                out[s:e] = torch.addcmul(piece[:, 1], uc[:, None], piece[:, 0]).relu_()
+                flat_out[s:e] = torch.addcmul(piece[:, 1], uc[:, None], piece[:, 0]).relu_()
         ctx.chunk = chunk
-        ctx.save_for_backward(u, index, slope, out)
+        if track:
+            ctx.save_for_backward(u, saved_index, slope, out)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        u, index, slope, out = ctx.saved_tensors
-        need_u, _, need_slope, need_intercept = ctx.needs_input_grad[:4]
+        u, saved_index, slope, out = ctx.saved_tensors
+        need_u, need_slope, need_intercept = ctx.needs_input_grad[:3]
         need_table = need_slope or need_intercept
-        n, channels = out.shape
+        n, channels = u.numel(), slope.shape[1]
+        flat_u, flat_out = u.reshape(-1), out.view(n, channels)
+        flat_grad = grad_out.reshape(n, channels)  # a copy only if the caller's gradient is oddly strided
         grad_u = torch.empty_like(u) if need_u else None
+        flat_grad_u = grad_u.view(-1) if need_u else None
         grad_table = torch.zeros((slope.shape[0], 2 * channels), dtype=u.dtype, device=u.device) if need_table else None
+        both = torch.empty((min(ctx.chunk, n), 2, channels), dtype=u.dtype, device=u.device) if need_table else None
         for s in range(0, n, ctx.chunk):
             e = min(s + ctx.chunk, n)
-            uc, ic = u[s:e], index[s:e]
-            g = torch.where(out[s:e] > 0, grad_out[s:e].to(u.dtype), 0.0)  # [c, L]
+            uc, index = flat_u[s:e], saved_index[s:e].long()
+            g = torch.ops.aten.threshold_backward(flat_grad[s:e].to(u.dtype), flat_out[s:e].to(u.dtype), 0)  # [c, L]
             if need_u:
-                torch.linalg.vecdot(g, slope.index_select(0, ic), out=grad_u[s:e])
+                flat_grad_u[s:e] = (g * slope.index_select(0, index)).sum(-1)
             if need_table:
-                grad_table.index_add_(0, ic, torch.cat([g * uc[:, None], g], 1))
+                x = both[: e - s]
+                torch.mul(g, uc[:, None], out=x[:, 0])
+                x[:, 1] = g
+                grad_table.index_add_(0, index, x.view(-1, 2 * channels))
         grad_slope = grad_table[:, :channels] if need_slope else None
         grad_intercept = grad_table[:, channels:] if need_intercept else None
-        return grad_u, None, grad_slope, grad_intercept, None, None
+        return grad_u, grad_slope, grad_intercept, None, None, None, None
+
+
+# psi -> (key, tables): reused while the parameters are unchanged and no gradient is being recorded
+# (e.g. phi(k) right after phi(q), and every layer call at inference).
+_TABLE_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _prepared(psi, compute: torch.dtype, scale: float, device: torch.device):
+    """(slope, intercept, locator) in ``compute`` dtype, from the cache when that is safe."""
+    params = (psi.w1, psi.b1, psi.w2, psi.b2)
+    recording = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+    key = (compute, scale, device, tuple((p.data_ptr(), p._version, p.dtype) for p in params))
+    if not recording:
+        hit = _TABLE_CACHE.get(psi)
+        if hit is not None and hit[0] == key and all(a is b for a, b in zip(hit[1], params)):
+            return hit[2]
+    table_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+    knots, slope, intercept = channel_tables(psi, table_dtype, scale)
+    knots = knots.to(compute)
+    prepared = (slope.to(compute).contiguous(), intercept.to(compute).contiguous(),
+                _Locator(knots, use_grid=device.type == "cpu"))
+    if not recording:
+        _TABLE_CACHE[psi] = (key, params, prepared)
+    return prepared
 
 
 def scalar_channels(u: torch.Tensor, psi, scale: float = 1.0) -> torch.Tensor:
-    """``scale * psi(u)`` for u [..., M] -> [..., M, L]; same values and gradients as the reference
-    ``psi(u)`` (``ScalarChannels.forward``) without expanding the hidden layer.
+    """``scale * psi(u)`` for u [..., M] -> [..., M, L]: the same values and gradients as the
+    reference ``ScalarChannels.forward`` (times ``scale``) without expanding the hidden layer.
 
     Computes in float32 (float64 for float64 input) with autocast off and
     returns u's dtype. ``scale`` (> 0) is folded into the tables for free.
@@ -140,9 +270,128 @@ def scalar_channels(u: torch.Tensor, psi, scale: float = 1.0) -> torch.Tensor:
     compute = torch.float64 if u.dtype == torch.float64 else torch.float32
     chunk = CPU_CHUNK if u.device.type == "cpu" else GPU_CHUNK
     with torch.autocast(device_type=u.device.type, enabled=False):
-        knots, slope, intercept = channel_tables(psi, torch.float64, scale)
-        flat = u.reshape(-1).to(compute).contiguous()
-        out = _PiecewiseLinearReLU.apply(
-            flat, knots.to(compute), slope.to(compute), intercept.to(compute), u.dtype, chunk
-        )
-    return out.view(*u.shape, slope.shape[1])
+        slope, intercept, locate = _prepared(psi, compute, float(scale), u.device)
+        track = torch.is_grad_enabled() and (u.requires_grad or slope.requires_grad or intercept.requires_grad)
+        return _PiecewiseLinearReLU.apply(u.to(compute).contiguous(), slope, intercept, locate, u.dtype, chunk, track)
+
+
+# --------------------------------------------------------------------------- linear attention core
+class _LinearAttentionCore(torch.autograd.Function):
+    """out = (phi_q S) / (phi_q z + eps) with S = phi_k^T v, z = sum_j phi_k[j] (per batch and head).
+
+    A hand-written backward: autograd's version of the division and the slicing
+    makes several extra full passes over [N, d] tensors, which at long N run
+    at memory speed and cost more than the matrix products. Every gradient
+    comes back contiguous.
+    """
+
+    @staticmethod
+    def forward(ctx, phi_q, phi_k, v, eps):
+        kv_t = torch.matmul(v.transpose(-1, -2), phi_k)  # S^T [B, H, d, D]
+        z = phi_k.sum(dim=-2, keepdim=True)  # [B, H, 1, D]
+        r = torch.matmul(phi_q, z.transpose(-1, -2)).add_(eps).reciprocal_()  # 1 / (phi_q z + eps) [B, H, N, 1]
+        out = torch.matmul(phi_q, kv_t.transpose(-1, -2)).mul_(r)  # [B, H, N, d]
+        ctx.save_for_backward(phi_q, phi_k, v, torch.cat([kv_t, z], -2), out, r)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        phi_q, phi_k, v, a, out, r = ctx.saved_tensors
+        d = v.shape[-1]
+        grad_nd = torch.empty((*out.shape[:-1], d + 1), dtype=out.dtype, device=out.device)
+        torch.mul(grad_out, r, out=grad_nd[..., :d])
+        # d out / d den = -num r^2 = -out r
+        torch.linalg.vecdot(grad_out, out, out=grad_nd[..., d])
+        grad_nd[..., d:].mul_(r).neg_()
+        grad_q = torch.matmul(grad_nd, a) if ctx.needs_input_grad[0] else None  # [B, H, N, D]
+        grad_a = torch.matmul(grad_nd.transpose(-1, -2), phi_q)  # [B, H, d+1, D]
+        grad_kv_t, grad_z = grad_a[..., :d, :], grad_a[..., d:, :]
+        grad_k = torch.matmul(v, grad_kv_t).add_(grad_z) if ctx.needs_input_grad[1] else None
+        grad_v = torch.matmul(phi_k, grad_kv_t.transpose(-1, -2)) if ctx.needs_input_grad[2] else None
+        return grad_q, grad_k, grad_v, None
+
+
+def linear_attention_core(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
+    """phi_q S / (phi_q z + eps) for [B, H, N, D] features and [B, H, N, d] values, all of one float dtype.
+
+    The caller handles masking (zeroed phi_k rows) and dtypes; see
+    ``luna_convert.linear_attention.linear_attention``.
+    """
+    return _LinearAttentionCore.apply(phi_q, phi_k, v, eps)
+
+
+# --------------------------------------------------------------------------- depthwise convolution over tokens
+def _shift_slices(n: int, s: int) -> tuple[slice, slice] | None:
+    """(dst, src) with dst[t] <- src[t + s] for the t where 0 <= t + s < n; None if empty."""
+    if abs(s) >= n:
+        return None
+    return slice(max(0, -s), min(n, n - s)), slice(max(0, s), min(n, n + s))
+
+
+class _DepthwiseConv(torch.autograd.Function):
+    """Depthwise cross-correlation, zero padding k // 2, over the grid axes of x [..., *grid, C]."""
+
+    @staticmethod
+    def _taps(x, weight, ndim):
+        channels, kernel = weight.shape[0], weight.shape[2:]
+        grid = x.shape[-1 - ndim:-1]
+        taps = []
+        for t, offsets in enumerate(itertools.product(*(range(k) for k in kernel))):
+            pairs = [_shift_slices(n, j - k // 2) for n, j, k in zip(grid, offsets, kernel)]
+            if any(p is None for p in pairs):
+                taps.append((t, None, None))
+                continue
+            lead = (Ellipsis,)
+            dst = lead + tuple(p[0] for p in pairs) + (slice(None),)
+            src = lead + tuple(p[1] for p in pairs) + (slice(None),)
+            taps.append((t, dst, src))
+        centre = sum((k // 2) * math.prod(kernel[i + 1:]) for i, k in enumerate(kernel))
+        return weight.reshape(channels, -1), taps, centre
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, ndim):
+        w, taps, centre = _DepthwiseConv._taps(x, weight, ndim)
+        out = x * w[:, centre] if bias is None else torch.addcmul(bias, x, w[:, centre])
+        for t, dst, src in taps:
+            if t != centre and dst is not None:
+                out[dst].addcmul_(x[src], w[:, t])
+        ctx.ndim, ctx.has_bias = ndim, bias is not None
+        ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        w, taps, centre = _DepthwiseConv._taps(x, weight, ctx.ndim)
+        reduce_dims = tuple(range(grad.dim() - 1))
+        grad_x = grad * w[:, centre] if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        for t, dst, src in taps:
+            if dst is None:
+                continue
+            if grad_x is not None and t != centre:
+                grad_x[src].addcmul_(grad[dst], w[:, t])
+            if grad_w is not None:
+                grad_w[:, t] = (grad[dst] * x[src]).sum(reduce_dims)
+        grad_b = grad.sum(reduce_dims) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, None if grad_w is None else grad_w.view_as(weight), grad_b, None
+
+
+def depthwise_conv_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise convolution over tokens, in the [..., tokens, C] layout attention already uses.
+
+    ``x`` is [..., N, C] with a ``Conv1d(C, C, k, padding=k//2, groups=C)`` weight
+    [C, 1, k], or [..., H, W, C] with a ``Conv2d`` weight [C, 1, kh, kw]; odd kernel
+    sizes. Same result as that convolution applied to x moved to channels-first,
+    without the transposes: k (or kh * kw) shifted multiply-adds, and a backward
+    of the same kind (PyTorch's CPU depthwise convolution backward is several
+    times slower). The DWC branch in ``attention.DepthwiseConvBranch`` can call it.
+    """
+    ndim = weight.dim() - 2
+    if any(k % 2 == 0 for k in weight.shape[2:]):
+        raise ValueError(f"odd kernel sizes only, got {tuple(weight.shape[2:])}")
+    if x.dim() < ndim + 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"x {tuple(x.shape)} does not match a depthwise weight {tuple(weight.shape)}")
+    return _DepthwiseConv.apply(x, weight, bias, ndim)

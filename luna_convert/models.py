@@ -16,6 +16,8 @@ from torch import nn
 from .errors import LunaConvertError
 
 TIMM_ARGS_ATTR = "timm_create_args"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.model", "merges.txt")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
@@ -109,6 +111,10 @@ def load_model(source: str, num_labels: int | None = None) -> LoadedModel:
         return load_model(str(folder))
     if not path.exists() and (source.startswith((".", "/", "~")) or source.count("/") > 1):
         raise LunaConvertError(f"model folder {source} does not exist; pass a local folder or a hub id")
+    if path.is_dir():
+        check_model_folder(path)
+    elif path.exists():
+        raise LunaConvertError(f"--model {source} is a file; pass the folder that holds the model's files")
     import transformers
 
     try:
@@ -118,8 +124,50 @@ def load_model(source: str, num_labels: int | None = None) -> LoadedModel:
                 else transformers.AutoModelForSequenceClassification)
         model = auto.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as e:
+        if path.is_dir():
+            raise _local_load_error(source, e) from e
         raise _offline_hint(source, e) from None
+    except Exception as e:  # noqa: BLE001 - a local folder's files are user input: say which and why
+        if not path.is_dir():
+            raise
+        raise _local_load_error(source, e) from e
     return _with_transformers_preprocessing(model, source, source)
+
+
+def _local_load_error(source: str, error: Exception) -> LunaConvertError:
+    reason = (str(error).strip().splitlines() or [""])[0][:200]
+    return LunaConvertError(f"cannot load the model in {source} ({type(error).__name__}: {reason}); the folder must "
+                            "hold a complete transformers checkpoint (config.json and its weights) of a "
+                            "sequence- or image-classification model")
+
+
+def check_model_folder(path: Path) -> None:
+    """A local --model folder: a transformers checkpoint with whole weight files (read before any work)."""
+    import json
+
+    config_file = path / "config.json"
+    if (path / "model" / "linear_attention.json").is_file():
+        raise LunaConvertError(f"{path} is a luna-convert run folder, not a model: its converted model is {path / 'model'} "
+                               f"(evaluate it with `luna-convert eval {path}`); to convert, pass the original model")
+    if not config_file.is_file():
+        raise LunaConvertError(f"{path} is not a model folder (no config.json or linear_attention.json); pass a folder "
+                               "holding a transformers checkpoint or one written by luna_convert.save")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise LunaConvertError(f"{config_file} is not valid JSON ({e}); restore the model's config.json") from None
+    if isinstance(config, dict) and "method" in config and "train" in config and "model_type" not in config:
+        raise LunaConvertError(f"{path} is an unfinished luna-convert run (no model/ yet), not a model; resume it "
+                               f"with `luna-convert run --resume {path}` or pass the original model")
+    from safetensors import SafetensorError, safe_open
+
+    for weights in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt") as f:
+                f.keys()
+        except (SafetensorError, OSError, ValueError) as e:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise LunaConvertError(f"{weights} is truncated or corrupt ({reason}); copy or download the model again") from None
 
 
 def _with_transformers_preprocessing(model: nn.Module, files, source: str) -> LoadedModel:
@@ -133,6 +181,10 @@ def _with_transformers_preprocessing(model: nn.Module, files, source: str) -> Lo
             processor, size = None, model.config.image_size
             image_config = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "size": int(size)}
         return LoadedModel(model, "image", image_processor=processor, image_config=image_config, source=source)
+    if Path(files).is_dir() and not any((Path(files) / name).is_file() for name in TOKENIZER_FILES):
+        # transformers 5 would build a vocabulary-less tokenizer here: every word [UNK], silently
+        raise LunaConvertError(f"no tokenizer files in {source} (looked for {', '.join(TOKENIZER_FILES[:4])}, ...); "
+                               "save the tokenizer beside the model: tokenizer.save_pretrained(folder)")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(files)
     except (OSError, ValueError) as e:

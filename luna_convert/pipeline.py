@@ -12,10 +12,11 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from .convert import convert, is_converted
+from .autoconfig import check_positions, needs_resolution, resolve_own_data, task_for
+from .conversion import convert, is_converted
 from .errors import LunaConvertError
 from .fileio import atomic_write_json
-from .methods import get_method
+from .method_specs import get_method
 from .serialization import library_versions, save
 
 RESULTS_FILE, CONFIG_FILE, TEACHER_FILE, LOG_FILE = "results.json", "config.json", "teacher.json", "train_log.jsonl"
@@ -38,7 +39,93 @@ def make_accelerator(config: dict):
 
 def new_run_dir(config: dict) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path(config["output_dir"]) / f"{config['name'] or 'run'}-{config['method']}-{stamp}"
+    base = Path(config["output_dir"]) / f"{config['name'] or 'run'}-{config['method']}-{stamp}"
+    path, n = base, 1
+    while path.exists():  # two runs started in the same second never share (or overwrite) a folder
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+# What a run writes into its folder: removed (only these) before --overwrite reuses a folder.
+RUN_ARTEFACTS = (RESULTS_FILE, CONFIG_FILE, TEACHER_FILE, LOG_FILE, "trainer_state.json", MODEL_DIR, "checkpoints")
+
+
+def _check_replaceable(run_dir: Path) -> None:
+    """--overwrite deletes a previous run, never anything else: refuse folders holding other files."""
+    foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_ARTEFACTS and not p.name.startswith("."))
+    config_file = run_dir / CONFIG_FILE
+    if not foreign and config_file.is_file():
+        try:
+            old = json.loads(config_file.read_text())
+        except (OSError, ValueError):
+            old = None
+        if not (isinstance(old, dict) and "method" in old and "train" in old):
+            foreign = [CONFIG_FILE]
+    if foreign:
+        raise LunaConvertError(f"{run_dir} is not a luna-convert run folder (it holds {', '.join(foreign[:3])}); "
+                               "--overwrite only replaces a previous run: choose an empty or new --run-dir")
+
+
+def _clear_run_folder(run_dir: Path) -> None:
+    import shutil
+
+    for name in RUN_ARTEFACTS:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise LunaConvertError(f"{what} {path} is unreadable ({type(e).__name__}); restore it or start a new run") from None
+
+
+def _distilled_stage(distilled_dir: Path) -> dict | None:
+    """The finished distillation stage ({steps, seconds}) saved in ``distilled_dir``, or None.
+
+    The stage record lives in the saved folder's metadata, which appears in the same rename as the
+    weights: a folder without it (a run killed mid-write) does not count.
+    """
+    meta = distilled_dir / "linear_attention.json"
+    if not (meta.is_file() and (distilled_dir / "model.safetensors").is_file()):
+        return None
+    stage = _read_json(meta, "distillation checkpoint").get("distill_stage")
+    if stage is None and (distilled_dir / "stage.json").is_file():  # folders written before the record moved
+        stage = _read_json(distilled_dir / "stage.json", "distillation checkpoint")
+    return stage
+
+
+def _forget_after_checkpoint(run_dir: Path, finetune_step: int, distilled: bool) -> None:
+    """On resume: drop log lines of work the crashed attempt did after its last checkpoint (and a line
+    torn by the kill), and temporary files it left, so the resumed run's folder reads as one run."""
+    import shutil
+
+    from .fileio import atomic_write_text
+
+    log_file = run_dir / LOG_FILE
+    if log_file.is_file():
+        kept = []
+        for line in log_file.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            stage = entry.get("stage")
+            if stage == "distill" and not distilled or stage == "finetune" and entry.get("step", 0) > finetune_step:
+                continue
+            kept.append(line)
+        atomic_write_text(log_file, "".join(f"{line}\n" for line in kept))
+    for folder in (run_dir, run_dir / "checkpoints"):
+        for tmp in folder.glob(".*.tmp") if folder.is_dir() else ():
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
 
 
 def validate(config: dict) -> None:
@@ -47,9 +134,11 @@ def validate(config: dict) -> None:
 
     if not config.get("model"):
         raise LunaConvertError("no model given: pass --model ID|PATH or a recipe that names one")
-    if not config.get("task"):
-        raise LunaConvertError("no task given: pass --task NAME or a recipe that names one (see `luna-convert recipes`)")
-    get_task(config["task"])
+    if not config.get("task") and not config.get("data_dir"):
+        raise LunaConvertError("no task given: pass --task NAME or a recipe that names one (see `luna-convert recipes`), "
+                               "or --data-dir with your own data")
+    if config.get("task"):
+        get_task(config["task"])
     get_method(config["method"])
     t = config["train"]
     for key in ("batch_size", "eval_batch_size", "grad_accum"):
@@ -59,6 +148,48 @@ def validate(config: dict) -> None:
         raise LunaConvertError(f"train.lr must be positive, got {t['lr']!r}")
     if t["mixed_precision"] not in ("no", "bf16", "fp16"):
         raise LunaConvertError(f"train.mixed_precision must be no, bf16 or fp16, got {t['mixed_precision']!r}")
+    _validate_ranges(config)
+
+
+def _validate_ranges(config: dict) -> None:
+    """The remaining numeric and choice settings, so that a bad --set fails before anything is written."""
+    t, d = config["train"], config["distill"]
+
+    def is_int(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    def is_num(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    checks = [
+        ("train.max_steps", t["max_steps"], t["max_steps"] is None or is_int(t["max_steps"]) and t["max_steps"] >= 0,
+         "a positive integer, or 0 or null (then train.epochs counts)"),
+        ("train.epochs", t["epochs"], bool(t["max_steps"]) or is_num(t["epochs"]) and t["epochs"] > 0,
+         "a positive number"),
+        ("train.checkpoint_every", t["checkpoint_every"], is_int(t["checkpoint_every"]) and t["checkpoint_every"] >= 0,
+         "a whole number of steps (0: no intermediate checkpoints)"),
+        ("train.warmup_ratio", t["warmup_ratio"], is_num(t["warmup_ratio"]) and 0 <= t["warmup_ratio"] < 1,
+         "a fraction in [0, 1)"),
+        ("train.weight_decay", t["weight_decay"], is_num(t["weight_decay"]) and t["weight_decay"] >= 0, "0 or more"),
+        ("train.max_grad_norm", t["max_grad_norm"], t["max_grad_norm"] is None or is_num(t["max_grad_norm"])
+         and t["max_grad_norm"] >= 0, "0 or more (0 or null: no clipping)"),
+        ("train.max_length", t["max_length"], is_int(t["max_length"]) and t["max_length"] >= 1, "a positive integer"),
+        ("train.image_size", t["image_size"], t["image_size"] is None or is_int(t["image_size"]) and t["image_size"] >= 1,
+         "a positive integer or null (the model's size)"),
+        ("train.schedule", t["schedule"], t["schedule"] in ("linear", "cosine", "constant"), "linear, cosine or constant"),
+        ("distill.steps", d["steps"], d["steps"] is None or is_int(d["steps"]) and d["steps"] >= 0,
+         "0 or more, or null (the method's default)"),
+        ("distill.default_steps", d["default_steps"], is_int(d["default_steps"]) and d["default_steps"] >= 0, "0 or more"),
+        ("distill.lr", d["lr"], is_num(d["lr"]) and d["lr"] > 0, "positive"),
+        ("distill.batch_size", d["batch_size"], d["batch_size"] is None or is_int(d["batch_size"]) and d["batch_size"] >= 1,
+         "a positive integer or null (train.batch_size)"),
+    ]
+    for key in ("max_train_examples", "max_eval_examples"):
+        checks.append((f"train.{key}", t[key], t[key] is None or is_int(t[key]) and t[key] >= 1,
+                       "a positive integer or null (all)"))
+    for key, value, ok, what in checks:
+        if not ok:
+            raise LunaConvertError(f"{key} must be {what}, got {value!r}; fix it with --set {key}=...")
 
 
 def distill_steps(config: dict) -> int:
@@ -77,7 +208,7 @@ class TaskData:
 
         self.task, self.loaded, self.config = task, loaded, config
         t = config["train"]
-        self.truncated = 0
+        self.truncated_by_split: dict[str, int] = {}  # examples cut to max_length; each split counted once
 
         def split(name: str, limit, train: bool, batch_size: int):
             dataset = data.load_split(task, name, config["data_dir"], max_examples=limit, seed=config["seed"])
@@ -85,8 +216,10 @@ class TaskData:
                 dataset = data.align_labels(dataset, task, loaded.id2label, loaded.num_labels)
                 loader = data.make_text_dataloader(dataset, task, loaded.tokenizer, batch_size=batch_size,
                                                    max_length=t["max_length"], shuffle=train, seed=config["seed"])
-                self.truncated += getattr(loader, "num_truncated", 0)
+                self.truncated_by_split[name] = getattr(loader, "num_truncated", 0)
+                check_positions(loaded, getattr(loader, "longest", 0), t["max_length"])
             else:
+                dataset = data.align_labels(dataset, task, loaded.id2label, loaded.num_labels)  # names -> model ids
                 _check_image_labels(dataset, loaded.num_labels, name)
                 size = t["image_size"] or loaded.image_config["size"]
                 transform = data.image_transform(loaded.image_config["mean"], loaded.image_config["std"], size,
@@ -96,6 +229,10 @@ class TaskData:
             return dataset, loader
 
         self.split = split
+
+    @property
+    def truncated(self) -> int:
+        return sum(self.truncated_by_split.values())
 
     def train_loader(self, batch_size: int | None = None):
         t = self.config["train"]
@@ -138,7 +275,8 @@ def steps_for(config: dict, loader, accelerator) -> int:
     if t["max_steps"]:
         return int(t["max_steps"])
     per_process = math.ceil(len(loader) / accelerator.num_processes)
-    return max(1, math.ceil(t["epochs"] * max(1, per_process // t["grad_accum"])))
+    # an epoch's last, short accumulation window is an update too (as accelerate does it)
+    return max(1, math.ceil(t["epochs"] * math.ceil(per_process / t["grad_accum"])))
 
 
 # ------------------------------------------------------------------------ run
@@ -148,44 +286,69 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
 
     from .metrics import headline_metric
     from .models import load_model
-    from .tasks import get_task
     from .teachers import ensure_builtin
     from .training import distill_attention, finetune, read_trainer_state
 
     t_start = time.perf_counter()
     if resume is not None:
         run_dir = Path(resume)
+        if not run_dir.is_dir():
+            raise LunaConvertError(f"cannot resume {run_dir}: no such folder; pass a run folder under outputs/")
         if not (run_dir / CONFIG_FILE).is_file():
             raise LunaConvertError(f"cannot resume {run_dir}: no {CONFIG_FILE} there; pass a run folder under outputs/")
-        config = json.loads((run_dir / CONFIG_FILE).read_text())
+        if (run_dir / RESULTS_FILE).is_file():
+            raise LunaConvertError(f"{run_dir} already finished (it has {RESULTS_FILE}); nothing to resume: read its "
+                                   f"results, `luna-convert eval {run_dir}`, or start a new run")
+        config = _read_json(run_dir / CONFIG_FILE, "run config")
     validate(config)
     accelerator = make_accelerator(config)
-    task = get_task(config["task"])
+    own_data = needs_resolution(config)  # no recipe: task, columns, splits, defaults come from model + data
+    task = None if own_data else task_for(config)
+    reuse = False  # a new run in a non-empty folder (allowed with --overwrite)
     if resume is None:
         run_dir = Path(config.get("run_dir") or new_run_dir(config))
-        if run_dir.exists() and any(run_dir.iterdir()) and not config.get("overwrite"):
-            raise LunaConvertError(f"{run_dir} already exists; pass --overwrite or another --output-dir")
+        if accelerator.num_processes > 1:  # one folder for all ranks (their clocks may read different seconds)
+            from accelerate.utils import broadcast_object_list
+
+            run_dir = Path(broadcast_object_list([str(run_dir)], from_process=0)[0])
+        if run_dir.exists() and not run_dir.is_dir():
+            raise LunaConvertError(f"{run_dir} is a file; choose another run folder")
+        reuse = run_dir.exists() and any(run_dir.iterdir())
+        if reuse and not config.get("overwrite"):
+            raise LunaConvertError(f"{run_dir} already exists and is not empty; pass --overwrite to replace that run "
+                                   "or choose another folder")
+        if reuse:
+            _check_replaceable(run_dir)
     log = _logger(accelerator, run_dir)
     say = (console.print if console is not None and accelerator.is_main_process else (lambda *a, **k: None))
     timings: dict[str, float] = {}
 
     source = ensure_builtin(config["model"], accelerator, config["output_dir"], console=say)
     set_seed(config["seed"])
-    loaded = load_model(source, task.num_labels)
+    loaded = load_model(source, task.num_labels if task else None)
+    if own_data:
+        resolve_own_data(config, loaded, say=say)
+        task = task_for(config)
     if is_converted(loaded.model):
         raise LunaConvertError(f"{config['model']} is already converted to linear attention; start from the original")
+    _check_convertible(loaded.model, config["method"], config["method_options"])
     data = TaskData(config, loaded, task)
     eval_loaders = data.eval_loaders()
+    train_loader = data.train_loader()  # read before the run folder appears: bad train data fails first
     if accelerator.is_main_process:
+        if reuse:  # --overwrite: nothing of the old run may leak into this one
+            _clear_run_folder(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         if resume is None:
             atomic_write_json(run_dir / CONFIG_FILE, config)
+    accelerator.wait_for_everyone()
+    say(f"{'resuming' if resume is not None else 'run folder'} {run_dir}", soft_wrap=True)
     model = loaded.model.to(accelerator.device)
 
     # 1. The original score (kept across resumes: it never changes).
     teacher_file = run_dir / TEACHER_FILE
     if teacher_file.is_file():
-        teacher = json.loads(teacher_file.read_text())
+        teacher = _read_json(teacher_file, "teacher score")
     else:
         t0 = time.perf_counter()
         metrics, _ = score(accelerator, model, eval_loaders, task)
@@ -200,28 +363,31 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     n_distill = distill_steps(config)
     state = read_trainer_state(run_dir) if resume is not None else None
     distilled_dir = run_dir / DISTILLED_DIR
+    distilled = _distilled_stage(distilled_dir) if n_distill else None
+    if resume is not None and accelerator.is_main_process:
+        _forget_after_checkpoint(run_dir, state["step"] if state and state["stage"] == "finetune" else 0,
+                                 distilled is not None)
     set_seed(config["seed"])
     report = convert(model, config["method"], **config["method_options"])
     model.to(accelerator.device)
     say(f"converted {len(report.modules)} attention modules to {config['method']} (+{report.params_added:,} parameters)")
-    if n_distill and distilled_dir.is_dir():
+    if n_distill and distilled is not None:
         from safetensors.torch import load_model as load_weights
 
         load_weights(model, str(distilled_dir / "model.safetensors"))
-        timings["distill_s"] = json.loads((distilled_dir / "stage.json").read_text())["seconds"]
+        timings["distill_s"] = distilled["seconds"]
     elif n_distill:
         d = config["distill"]
         stage = distill_attention(accelerator, model, accelerator.prepare_data_loader(
             data.train_loader(d["batch_size"])), steps=n_distill, lr=d["lr"], log=log)
         timings["distill_s"] = stage.seconds
         if accelerator.is_main_process:
-            save(model, distilled_dir, overwrite=True)
-            atomic_write_json(distilled_dir / "stage.json", {"steps": stage.steps, "seconds": stage.seconds})
+            save(model, distilled_dir, overwrite=True,
+                 extra={"distill_stage": {"steps": stage.steps, "seconds": stage.seconds}})
         accelerator.wait_for_everyone()
 
     # 4. Finetune on the task.
     t = config["train"]
-    train_loader = data.train_loader()
     total = steps_for(config, train_loader, accelerator)
     start = state["step"] if state and state["stage"] == "finetune" else 0
     set_seed(config["seed"] + 1)
@@ -243,7 +409,8 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         "converted_score": converted_score,
         "recovered_pct": recovered_pct(converted_score, teacher_score),
         "teacher_metrics": teacher["metrics"], "converted_metrics": metrics,
-        "eval_examples": counted, "truncated_examples": data.truncated,
+        "eval_examples": counted, "truncated_examples": data.truncated, "truncated_by_split": data.truncated_by_split,
+        "resolved": config.get("resolved"),
         "steps": {"distill": n_distill, "finetune": stage.steps},
         "final_loss": stage.final_loss, "timings": timings, "seed": config["seed"],
         "num_processes": accelerator.num_processes, "device": str(accelerator.device),
@@ -259,6 +426,36 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return results
+
+
+def _check_convertible(model, method: str, options: dict) -> None:
+    """Dry-run the conversion (forward included) on a copy of one attention module, so that a model
+    without supported attention or bad method options fail before the run folder is written."""
+    import copy
+
+    import torch
+
+    from .adapters import find_adapter
+    from .conversion import linear_attention_modules
+    from .errors import ConversionError
+
+    target = next((m for m in model.modules() if find_adapter(m) is not None), None)
+    if target is None:
+        convert(model, method, **options)  # raises the explanatory ConversionError, model untouched
+    with torch.random.fork_rng(devices=[]):  # the run's seeded RNG stream stays as it is
+        probe = copy.deepcopy(target)
+        convert(probe, method, **options)
+        attn = linear_attention_modules(probe)[0]
+        ref = next(probe.parameters())
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, attn.num_heads, 4, attn.head_dim, generator=g).to(ref) for _ in range(3))
+        try:
+            with torch.no_grad():
+                attn(q, k, v)
+        except (RuntimeError, ValueError, TypeError) as e:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConversionError(f"method {method!r} cannot run with options {options} ({reason}); fix "
+                                  "--set method_options... (defaults: `luna-convert methods`)") from None
 
 
 def recovered_pct(converted: float, teacher: float) -> float | None:
@@ -289,17 +486,26 @@ def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | No
     path = Path(path)
     run_config = {}
     if (path / RESULTS_FILE).is_file() or (path / CONFIG_FILE).is_file() and (path / MODEL_DIR).is_dir():
-        run_config = json.loads((path / CONFIG_FILE).read_text())
+        run_config = _read_json(path / CONFIG_FILE, "run config")
         path = path / MODEL_DIR
     source = str(path)
     meta_task = None
     meta_file = path / "linear_attention.json"
     if meta_file.is_file():
-        meta_task = json.loads(meta_file.read_text()).get("task")
+        meta_task = _read_json(meta_file, "model metadata").get("task")
+    elif path.is_dir():  # say what the folder is not before asking which task it was trained for
+        from .models import check_model_folder
+
+        check_model_folder(path)
+    elif path.exists():
+        raise LunaConvertError(f"{path} is a file; pass a run folder, a saved model folder or a checkpoint folder")
+    elif source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise LunaConvertError(f"model folder {source} does not exist; pass a run folder under outputs/, a saved "
+                               "model folder or a hub id")
     task_name = task or run_config.get("task") or meta_task
     if not task_name:
         raise LunaConvertError(f"cannot tell which task {source} was trained for; pass --task")
-    task = get_task(task_name)
+    task = task_for(run_config) if run_config.get("resolved") and not task else get_task(task_name)
     config = {
         "data_dir": data_dir if data_dir is not None else run_config.get("data_dir"),
         "eval_split": split, "seed": run_config.get("seed", 0),

@@ -21,6 +21,9 @@ DEFAULTS: dict = {
     "task": None,
     "data_dir": None,
     "eval_split": None,  # default: the task's evaluation split
+    "train_split": None,  # default: the task's train split (own data: the file/folder/split called train)
+    "metric": None,  # headline metric; default: the task's (accuracy for classification, pearson for regression)
+    "columns": {"text": None, "text_pair": None, "label": None},  # own data: detected by name when None
     "method": "luna",
     "method_options": {},
     "seed": 42,
@@ -143,6 +146,14 @@ def _lookup(tree: dict, parts: list[str]):
 
 def _coerce(key: str, value, default):
     """Check a value against the type of its default (numbers may widen int -> float)."""
+    if isinstance(default, dict):  # a whole section (train, distill, ...), not one setting
+        if key == "method_options" and isinstance(value, dict):
+            return value
+        if key != "method_options":
+            example = next(iter(default), "key")
+            raise LunaConvertError(f"setting {key} is a group of settings; set them one at a time, "
+                                   f"e.g. --set {key}.{example}=...")
+        raise LunaConvertError(f"setting {key} must be a mapping, e.g. --set method_options.projections=16")
     if value is None or default is None:
         return value
     if isinstance(default, bool):

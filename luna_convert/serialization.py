@@ -18,7 +18,7 @@ from safetensors.torch import load_model, save_model
 import torch
 from torch import nn
 
-from .convert import CONFIG_ATTR, convert
+from .conversion import CONFIG_ATTR, convert
 from .errors import LunaConvertError
 from .fileio import atomic_directory, atomic_write_json
 from .models import TIMM_ARGS_ATTR
@@ -84,14 +84,24 @@ def save(model: nn.Module, directory: str | Path, tokenizer=None, processor=None
     return directory
 
 
+def _is_transformers_checkpoint(directory: Path) -> bool:
+    try:
+        return "model_type" in json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def read_metadata(directory: str | Path) -> dict:
     directory = Path(directory)
     path = directory / CONVERSION_FILE
     if not path.is_file():
-        raise LunaConvertError(
-            f"{directory} is not a luna-convert model folder (no {CONVERSION_FILE}); "
-            "pass a run's output folder or a folder written by luna_convert.save"
-        )
+        if not directory.exists():
+            raise LunaConvertError(f"{directory} does not exist; pass a run folder or a folder written by luna_convert.save")
+        hint = "pass a run folder (outputs/<run>) or a folder written by luna_convert.save"
+        if _is_transformers_checkpoint(directory):
+            hint = ("it is a transformers checkpoint: load it with transformers' from_pretrained and convert it with "
+                    "luna_convert.convert")
+        raise LunaConvertError(f"{directory} is not a luna-convert model folder (no {CONVERSION_FILE}); {hint}")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -116,8 +126,11 @@ def build_model(spec: dict, directory: Path) -> nn.Module:
 
 
 def load(directory: str | Path) -> nn.Module:
-    """Rebuild a model written by :func:`save`: architecture, conversion, then weights (strict)."""
+    """Rebuild a model written by :func:`save` (or a run folder's model): architecture, conversion,
+    then weights (strict)."""
     directory = Path(directory)
+    if not (directory / CONVERSION_FILE).is_file() and (directory / "model" / CONVERSION_FILE).is_file():
+        directory = directory / "model"  # a run folder: its converted model
     meta = read_metadata(directory)
     model = build_model(meta["model"], directory)
     dtype = getattr(torch, meta.get("dtype") or "", None)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .convert import feature_map_parameters, linear_attention_modules
+from .conversion import feature_map_parameters, linear_attention_modules
 from .errors import LunaConvertError
 from .fileio import atomic_write_json
 
@@ -111,17 +111,48 @@ def predict(accelerator, model: nn.Module, loader, description: str = "eval") ->
 
 
 # ------------------------------------------------------------------ the loops
-def _check_finite(loss: torch.Tensor, stage: str, step: int) -> None:
-    if not torch.isfinite(loss).all():
-        raise NonFiniteLossError(
-            f"non-finite {stage} loss at step {step}; the last good checkpoint is kept. "
-            "Lower the learning rate (--lr) or use --mixed-precision no, then --resume"
-        )
+def _check_finite(loss: torch.Tensor, stage: str, step: int, accelerator=None, total: int | None = None,
+                  run_dir: Path | None = None) -> None:
+    """Stop on a NaN/inf loss. ``step`` counts the updates already done, so the failing one is ``step + 1``.
+
+    Under several processes the verdict is shared (one all-reduce), so every rank stops together
+    instead of the others waiting forever in the next collective.
+    """
+    bad = ~torch.isfinite(loss.detach()).all()
+    if accelerator is not None and accelerator.num_processes > 1:
+        bad = accelerator.reduce(bad.float().reshape(1), reduction="sum")[0] > 0
+    if not bool(bad):
+        return
+    value = loss.detach().float().flatten()[0].item()
+    where = f"step {step + 1}" + (f" of {total}" if total else "")
+    kept = ""
+    state = read_trainer_state(run_dir) if run_dir is not None else None
+    if state is not None and state.get("stage") == stage:
+        kept = f" The last good checkpoint (step {state['step']}) is kept in {run_dir / 'checkpoints' / state['checkpoint']}."
+    knob = "the distillation learning rate (--set distill.lr=...)" if stage == "distillation" else "the learning rate (--lr)"
+    raise NonFiniteLossError(
+        f"{stage} loss became {value} at {where}; training stopped.{kept} "
+        f"Lower {knob} or use --mixed-precision no, and start a new run"
+    )
+
+
+def _check_finite_weights(model: nn.Module, stage: str, step: int) -> None:
+    """Refuse to checkpoint weights that an update has made NaN/inf (the loss shows it only one step later)."""
+    for name, p in model.named_parameters():
+        if not torch.isfinite(p.detach()).all():
+            raise NonFiniteLossError(
+                f"{stage} weights became non-finite at step {step} ({name.removeprefix('module.')}); training stopped "
+                "before checkpointing them. Lower the learning rate (--lr) or use --mixed-precision no, and start "
+                "a new run"
+            )
 
 
 def _batches(loader, accelerator, start_batch: int, epoch: int):
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(epoch)
+    dataset = getattr(loader, "dataset", None)
+    if hasattr(dataset, "set_epoch"):  # per-example augmentation seeded by (seed, epoch, index): resumable
+        dataset.set_epoch(epoch)
     return accelerator.skip_first_batches(loader, start_batch) if start_batch else loader
 
 
@@ -157,7 +188,7 @@ def distill_attention(
                     with accelerator.autocast():
                         forward_logits(model, batch)
                         loss = torch.stack([layer.distill_loss for layer in layers]).mean()
-                    _check_finite(loss, "distillation", step)
+                    _check_finite(loss, "distillation", step, accelerator, steps)
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     for p in params:
@@ -225,7 +256,8 @@ def finetune(
         _load_latest(accelerator, run_dir)
     accum = accelerator.gradient_accumulation_steps
     batches_per_epoch = max(1, len(loader))
-    updates_per_epoch = max(1, batches_per_epoch // accum)
+    # accelerate also updates on an epoch's last batch when accum does not divide the batch count.
+    updates_per_epoch = math.ceil(batches_per_epoch / accum)
     step, loss_value, t0 = start_step, None, time.perf_counter()
     epoch, skip = step // updates_per_epoch, (step % updates_per_epoch) * accum
     model.train()
@@ -237,7 +269,7 @@ def finetune(
                 with accelerator.accumulate(model):
                     with accelerator.autocast():
                         loss = task_loss(forward_logits(model, batch), batch["labels"])
-                    _check_finite(loss, stage, step)
+                    _check_finite(loss, stage, step, accelerator, steps, run_dir)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients and max_grad_norm:
                         accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -252,6 +284,7 @@ def finetune(
                 if log:
                     log({"stage": stage, "step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0]})
                 if run_dir is not None and checkpoint_every and step % checkpoint_every == 0 and step < steps:
+                    _check_finite_weights(model, stage, step)
                     save_checkpoint(accelerator, run_dir, stage, step)
                 if step >= steps:
                     break

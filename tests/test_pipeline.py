@@ -40,7 +40,13 @@ def write_bert_checkpoint(folder: Path, num_labels: int = 2) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     vocab = folder / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(vocab))
+    # transformers 5 takes the vocabulary as `vocab` (and silently ignores `vocab_file`, leaving a
+    # 5-token tokenizer that maps every word to [UNK]); v4 takes `vocab_file`.
+    import inspect
+
+    key = "vocab" if "vocab" in inspect.signature(BertTokenizerFast.__init__).parameters else "vocab_file"
+    tokenizer = BertTokenizerFast(**{key: str(vocab)})
+    assert len(tokenizer) == len(WORDS) + 5, "the tiny tokenizer lost its vocabulary"
     torch.manual_seed(0)
     config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                         vocab_size=len(WORDS) + 5, max_position_embeddings=64, num_labels=num_labels)

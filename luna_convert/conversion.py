@@ -12,7 +12,7 @@ from torch import nn
 from .adapters import attention_like_classes, find_adapter, linearize, vision_grid, LinearizedAttention
 from .attention import LinearAttention
 from .errors import ConversionError
-from .methods import ATTENTION_OPTIONS, get_method
+from .method_specs import ATTENTION_OPTIONS, get_method
 
 CONFIG_ATTR = "linear_attention_config"  # set on a converted model; read by save() and the pipeline
 
@@ -103,7 +103,9 @@ def convert(
         found = attention_like_classes(model)
         raise ConversionError(
             f"no supported softmax self-attention in {type(model).__name__} (attention classes found: "
-            f"{', '.join(found) or 'none'}); supported: transformers BERT-family and ViT, timm VisionTransformer"
+            f"{', '.join(found) or 'none'}); supported: bidirectional softmax self-attention with absolute "
+            "positions in transformers BERT-family and ViT models and timm VisionTransformer (causal/decoder, "
+            "cross-attention, rotary and relative-position attention are not)"
         )
 
     # Build every replacement before touching the model, so that bad option values
@@ -115,7 +117,7 @@ def convert(
         try:
             linear_attn = LinearAttention(spec.feature_map, head_dim, num_heads, scale, spatial=grid is not None,
                                           **attn_opts, **map_opts).to(device=ref.device, dtype=ref.dtype)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, RuntimeError) as e:  # RuntimeError: torch refusing e.g. a negative size
             raise ConversionError(f"invalid options for method {method!r} ({e}); see luna_convert.METHODS"
                                   f"[{method!r}].defaults") from None
         built.append((name, module, adapter, linear_attn, num_heads, head_dim))

@@ -1,0 +1,158 @@
+"""Shared fixtures: tiny, offline models built from configs (no downloads).
+
+Every model is built fresh per test (so in-place conversion cannot leak
+between tests) with a fixed seed, in eval mode.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before anything imports huggingface_hub / transformers / timm: no network look-ups.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+SEED = 1234
+HIDDEN, LAYERS, HEADS, INTERMEDIATE, VOCAB = 32, 2, 4, 64, 99
+IMAGE, PATCH, NUM_LABELS = 32, 8, 3
+# Larger than the libraries' 0.02 so that attention is far from uniform and logits are
+# O(1): comparisons of logits (softmax vs linear, padded vs not) are then meaningful.
+INIT_STD = 0.2
+
+
+def seed_everything(seed: int = SEED) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover - numpy ships with torch's deps here
+        pass
+
+
+def transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+def vit_has_proj_layout() -> bool:
+    """transformers ViT with ViTAttention owning q_proj/k_proj/v_proj/o_proj (v5.10+)."""
+    from transformers.models.vit import modeling_vit
+
+    return hasattr(modeling_vit, "ViTAttention") and "q_proj" in modeling_vit.ViTAttention.__init__.__code__.co_names
+
+
+# --------------------------------------------------------------------------- builders
+def make_bert(attn_implementation: str | None = None, num_labels: int = NUM_LABELS):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    seed_everything()
+    config = BertConfig(
+        hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=INTERMEDIATE,
+        vocab_size=VOCAB, max_position_embeddings=64, num_labels=num_labels, initializer_range=INIT_STD,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    return BertForSequenceClassification(config).eval()
+
+
+def make_hf_vit(attn_implementation: str | None = None):
+    from transformers import ViTConfig, ViTForImageClassification
+
+    seed_everything()
+    config = ViTConfig(
+        hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=INTERMEDIATE,
+        image_size=IMAGE, patch_size=PATCH, num_channels=3, num_labels=NUM_LABELS, initializer_range=INIT_STD,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    return ViTForImageClassification(config).eval()
+
+
+def make_timm_vit(**extra):
+    from luna_convert.models import create_timm_model
+
+    seed_everything()
+    model = create_timm_model(
+        "vit_tiny_patch16_224", img_size=IMAGE, patch_size=PATCH, embed_dim=HIDDEN, depth=LAYERS,
+        num_heads=HEADS, num_classes=NUM_LABELS, **extra,
+    ).eval()
+    with torch.no_grad():  # same spread as the transformers models (see INIT_STD)
+        for name, p in model.named_parameters():
+            if p.dim() > 1 or name.endswith(("cls_token", "reg_token", "pos_embed")):
+                p.normal_(0.0, INIT_STD)
+    return model
+
+
+def make_timm_vit_reg():
+    """qk_norm + register tokens: 1 CLS + 2 registers = 3 prefix tokens before the 4x4 patch grid."""
+    return make_timm_vit(qk_norm=True, reg_tokens=2)
+
+
+ARCHITECTURES = {
+    "hf-bert": make_bert,
+    "hf-vit": make_hf_vit,
+    "timm-vit": make_timm_vit,
+    "timm-vit-reg": make_timm_vit_reg,
+}
+
+
+def example_inputs(arch: str, batch: int = 2, seq: int = 7) -> dict:
+    """Deterministic model inputs as keyword arguments (BERT gets a padded batch)."""
+    g = torch.Generator().manual_seed(SEED + 1)
+    if arch == "hf-bert":
+        ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        mask[0, seq - 3:] = 0  # first row: 3 pads at the end
+        ids = ids.masked_fill(mask == 0, 0)
+        return {"input_ids": ids, "attention_mask": mask}
+    images = torch.randn(batch, 3, IMAGE, IMAGE, generator=g)
+    return {"pixel_values": images} if arch == "hf-vit" else {"x": images}
+
+
+def logits_of(model, inputs: dict) -> torch.Tensor:
+    if "x" in inputs:
+        return model(inputs["x"])
+    return model(**inputs).logits
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(autouse=True)
+def _seeded():
+    seed_everything()
+    yield
+
+
+@pytest.fixture
+def bert():
+    return make_bert()
+
+
+@pytest.fixture
+def hf_vit():
+    return make_hf_vit()
+
+
+@pytest.fixture
+def timm_vit():
+    return make_timm_vit()
+
+
+@pytest.fixture
+def timm_vit_reg():
+    return make_timm_vit_reg()
+
+
+@pytest.fixture(params=sorted(ARCHITECTURES))
+def arch(request) -> str:
+    return request.param

@@ -1,0 +1,63 @@
+"""Smoke test of the benchmark: a quick run writes the JSON and the PNG with the expected contents."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+from rich.console import Console
+
+from luna_convert.bench import run_benchmark
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_quick_benchmark_writes_json_and_png(tmp_path):
+    console = Console(file=io.StringIO(), width=140)
+    results = run_benchmark(tmp_path, lengths=(32, 64), methods=("luna", "t2r"), quick=True, console=console)
+
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert set(data) >= {"meta", "layers", "models", "targets"}
+    assert data["layers"]["config"]["methods"] == ["softmax", "softmax-eager", "luna", "t2r"]
+    rows = data["layers"]["results"]
+    assert {(r["method"], r["n"]) for r in rows} == {(m, n) for m in ("softmax", "softmax-eager", "luna", "t2r") for n in (32, 64)}
+    for r in rows:
+        assert _positive(r["fwd_ms"]) and _positive(r["fwd_bwd_ms"]), r
+        assert _positive(r["fwd_bwd_peak_mb"]), r
+        assert r["fwd_peak_mb"] >= 0
+        if r["method"] != "softmax":
+            assert _positive(r["fwd_speedup_vs_softmax"]) and _positive(r["fwd_bwd_speedup_vs_softmax"])
+    assert set(data["layers"]["slopes"]) == {"softmax", "softmax-eager", "luna", "t2r"}
+    for s in data["layers"]["slopes"].values():
+        assert math.isfinite(s["fwd"]) and math.isfinite(s["fwd_bwd"])
+
+    models = data["models"]
+    assert models["method"] == "luna"
+    assert len(models["vit"]) == 2 and len(models["bert"]) == 2
+    for r in [*models["vit"], *models["bert"], models["bert_train"]]:
+        assert _positive(r["original_ms"]) and _positive(r["converted_ms"]) and _positive(r["ratio"])
+    assert all({"target", "value", "threshold", "met"} <= set(t) for t in data["targets"])
+
+    png = tmp_path / "bench.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert 1_000 < png.stat().st_size < 300_000
+    assert results["layers"]["results"][0]["fwd_ms"] == rows[0]["fwd_ms"]
+    assert "Attention layer forward time" in console.file.getvalue()
+    assert "| N |" in (tmp_path / "bench.md").read_text()
+
+
+def test_cpu_timer_layers_only(tmp_path):
+    import torch
+
+    threads = torch.get_num_threads()
+    console = Console(file=io.StringIO(), width=140)
+    results = run_benchmark(tmp_path, lengths=(16, 32), methods=["t2r"], models=False, quick=True, timer="cpu",
+                            memory=False, device="cpu", console=console)
+    assert torch.get_num_threads() == threads  # restored
+    assert results["meta"]["timer"] == "thread CPU time" and results["meta"]["threads"] == 1
+    assert results["models"] is None
+    assert all(_positive(r["fwd_ms"]) and "fwd_peak_mb" not in r for r in results["layers"]["results"])
+    assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.png").exists()

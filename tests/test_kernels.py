@@ -1,0 +1,237 @@
+"""The fast LUNA channel bank (luna_convert.kernels) against the reference ScalarChannels.forward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from luna_convert import kernels
+from luna_convert.feature_maps import LunaFeatureMap, ScalarChannels
+from luna_convert.kernels import _Locator, channel_tables, scalar_channels
+from luna_convert.linear_attention import linear_attention, linear_attention_weights
+
+
+def _bank(shared: bool, channels: int = 8, hidden: int = 64, dtype=torch.float32, seed: int = 0) -> ScalarChannels:
+    torch.manual_seed(seed)
+    psi = ScalarChannels(channels, hidden, shared=shared).to(dtype)
+    with torch.no_grad():
+        # Constant units (w1 == 0), one switched on (b1 > 0) and one off, and two tied knots.
+        psi.w1[0, 0], psi.b1[0, 0] = 0.0, 0.7
+        psi.w1[0, 1], psi.b1[0, 1] = 0.0, -0.3
+        psi.w1[-1, 2], psi.b1[-1, 2] = psi.w1[-1, 3].item(), psi.b1[-1, 3].item()
+        psi.w1[-1, 4], psi.b1[-1, 4] = -psi.w1[-1, 3].item(), -psi.b1[-1, 3].item()  # same knot, other direction
+    return psi
+
+
+def _grads(out: torch.Tensor, inputs, grad: torch.Tensor):
+    return torch.autograd.grad(out, inputs, grad)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_matches_reference_values_and_gradients(shared):
+    psi = _bank(shared)
+    u = (torch.randn(2, 3, 200, 8) * 2.5).requires_grad_()
+    params = [u, *psi.parameters()]
+    ref = psi(u)
+    fast = scalar_channels(u, psi)
+    assert fast.shape == ref.shape == (2, 3, 200, 8, 8)
+    assert fast.dtype == ref.dtype
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(ref)
+    for name, a, b in zip(["u", "w1", "b1", "w2", "b2"], _grads(ref, params, grad), _grads(fast, params, grad)):
+        scale = b.abs().max().clamp_min(1.0)
+        torch.testing.assert_close(a / scale, b / scale, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_fp64_gradcheck(shared):
+    psi = _bank(shared, channels=3, hidden=5, dtype=torch.float64, seed=1)
+    u = (torch.randn(1, 2, 7, 2, dtype=torch.float64) * 2).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, *p: scalar_channels(x, psi), (u, *psi.parameters()), eps=1e-6, atol=1e-6)
+    # ... and the analytic gradients equal the reference's.
+    grad = torch.randn(1, 2, 7, 2, 3, dtype=torch.float64)
+    inputs = [u, *psi.parameters()]
+    for a, b in zip(_grads(psi(u), inputs, grad), _grads(scalar_channels(u, psi), inputs, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_scale_is_folded_in():
+    psi = _bank(False)
+    u = torch.randn(4, 8)
+    torch.testing.assert_close(scalar_channels(u, psi, scale=0.25), psi(u) * 0.25, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError):
+        scalar_channels(u, psi, scale=-1.0)
+
+
+def test_inputs_outside_and_on_the_knots():
+    psi = _bank(False)
+    knots, _, _ = channel_tables(psi)
+    finite = knots[torch.isfinite(knots)].float()
+    u = torch.cat([finite, finite + 1e-3, finite - 1e-3, torch.tensor([-1e6, 1e6, 0.0])]).view(-1, 1)
+    torch.testing.assert_close(scalar_channels(u, psi), psi(u), rtol=1e-5, atol=1e-4)
+
+
+def test_locator_matches_searchsorted():
+    torch.manual_seed(0)
+    knots = torch.cat([torch.randn(300), torch.randn(200) * 100, torch.tensor([float("-inf"), float("inf"), float("inf")])])
+    knots = knots.sort().values
+    loc = _Locator(knots, use_grid=True)
+    assert loc.start is not None  # the grid path, not the fallback
+    u = torch.cat([torch.randn(5000) * 3, torch.randn(1000) * 300, knots[1:-2], torch.tensor([float("inf"), float("-inf")])])
+    assert torch.equal(loc(u), torch.searchsorted(knots, u))
+    crowded = torch.zeros(64)  # every knot in one cell: falls back to searchsorted
+    loc = _Locator(crowded, use_grid=True)
+    assert loc.start is None
+    assert torch.equal(loc(u), torch.searchsorted(crowded, u))
+
+
+def test_low_precision_and_autocast():
+    psi = _bank(False)
+    u = torch.randn(3, 50, 8)
+    ref = psi(u)
+    out = scalar_channels(u.bfloat16(), psi)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), psi(u.bfloat16().float()), rtol=2e-2, atol=2e-2)
+    fm = LunaFeatureMap(16, 2)
+    x = torch.randn(1, 2, 10, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fm(x)
+        attn = linear_attention(y, y, x)
+    assert torch.isfinite(y.float()).all()
+    torch.testing.assert_close(y.float(), fm(x), rtol=5e-2, atol=5e-2)
+    # backward through the kernels under autocast: finite, and close to float32's
+    (g_bf16,) = torch.autograd.grad(attn.float().sum(), [x])
+    (g_fp32,) = torch.autograd.grad(linear_attention(fm(x), fm(x), x).sum(), [x])
+    assert torch.isfinite(g_bf16).all()
+    assert (g_bf16 - g_fp32).norm() < 0.1 * g_fp32.norm()
+    del ref
+
+
+def test_no_hidden_expansion_is_saved():
+    """Saved for backward: u, an int16 index and the output - not N x M x L x hidden."""
+    psi = _bank(False)
+    u = torch.randn(1, 2, 512, 8, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = scalar_channels(u, psi)
+    out_bytes = out.numel() * out.element_size()
+    per_token_hidden = u.numel() * psi.channels * psi.hidden * 4
+    assert sum(saved) < out_bytes + 3 * u.numel() * 4 + 64 * 1024
+    assert sum(saved) < per_token_hidden / 20
+
+
+def test_cache_follows_parameter_updates():
+    psi = _bank(False)
+    u = torch.randn(10, 8)
+    with torch.no_grad():
+        first = scalar_channels(u, psi)
+        psi.b2.add_(1.0)
+        second = scalar_channels(u, psi)
+        torch.testing.assert_close(second, psi(u))
+    assert not torch.equal(first, second)
+    # Gradients still flow after cached (no-grad) calls.
+    out = scalar_channels(u, psi)
+    out.sum().backward()
+    assert psi.w1.grad is not None and psi.b2.grad is not None
+
+
+@pytest.mark.parametrize("envelope", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+def test_feature_map_fast_equals_reference(envelope, shared):
+    torch.manual_seed(0)
+    fast = LunaFeatureMap(32, 4, envelope=envelope, shared_channels=shared, fast=True)
+    slow = LunaFeatureMap(32, 4, envelope=envelope, shared_channels=shared, fast=False)
+    slow.load_state_dict(fast.state_dict())
+    x = torch.randn(2, 4, 33, 32, requires_grad=True)
+    a, b = fast(x), slow(x)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(a)
+    ga = _grads(a, [x, *fast.parameters()], g)
+    gb = _grads(b, [x, *slow.parameters()], g)
+    for p, q in zip(ga, gb):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_linear_attention_matches_explicit_form_and_gives_contiguous_feature_grads():
+    torch.manual_seed(0)
+    phi_q = torch.rand(2, 3, 40, 16, requires_grad=True)
+    phi_k = torch.rand(2, 3, 40, 16, requires_grad=True)
+    v = torch.randn(2, 3, 40, 8, requires_grad=True)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, 30:] = False
+    out = linear_attention(phi_q, phi_k, v, mask)
+    ref = linear_attention_weights(phi_q, phi_k, mask) @ v
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    g = torch.randn_like(out)
+    for a, b in zip(_grads(out, [phi_q, phi_k, v], g), _grads(ref, [phi_q, phi_k, v], g)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    gq, gk = _grads(linear_attention(phi_q, phi_k, v), [phi_q, phi_k], g)
+    assert gq.is_contiguous() and gk.is_contiguous()
+
+
+def test_chunking_boundaries(monkeypatch):
+    psi = _bank(True)
+    monkeypatch.setattr(kernels, "CPU_CHUNK", 7)
+    u = torch.randn(5, 9, requires_grad=True)  # 45 scalars: 7 chunks, the last one short
+    out = scalar_channels(u, psi)
+    torch.testing.assert_close(out, psi(u), rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(out)
+    for a, b in zip(_grads(out, [u, *psi.parameters()], g), _grads(psi(u), [u, *psi.parameters()], g)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_tables_are_the_piecewise_linear_function():
+    psi = _bank(False, channels=2, hidden=5)
+    knots, slope, intercept = channel_tables(psi)
+    assert knots.shape == (10,) and slope.shape == intercept.shape == (11, 2)
+    assert torch.all(knots[1:] >= knots[:-1])
+    # Midpoints of every finite interval evaluate to the reference's inner (pre-relu) value.
+    finite = knots[torch.isfinite(knots)]
+    mids = torch.cat([finite[:1] - 1, (finite[1:] + finite[:-1]) / 2, finite[-1:] + 1]).double()
+    idx = torch.searchsorted(knots, mids)
+    w1, b1, w2, b2 = (p.double() for p in (psi.w1, psi.b1, psi.w2, psi.b2))
+    inner = (torch.relu(mids[:, None, None] * w1 + b1) * w2).sum(-1) + b2
+    torch.testing.assert_close(slope[idx] * mids[:, None] + intercept[idx], inner, rtol=1e-9, atol=1e-9)
+    assert math.isfinite(float(slope.detach().abs().max()))
+
+
+def test_linear_attention_core_gradcheck_and_partial_grads():
+    torch.manual_seed(0)
+    phi_q = torch.rand(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)
+    phi_k = torch.rand(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 6, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: kernels.linear_attention_core(a, b, c, 1e-6), (phi_q, phi_k, v))
+    # Only v needs a gradient (frozen features): the other gradients are skipped, v's is right.
+    fq, fk = phi_q.detach(), phi_k.detach()
+    (gv,) = torch.autograd.grad(kernels.linear_attention_core(fq, fk, v, 1e-6).sum(), [v])
+    (ref,) = torch.autograd.grad((linear_attention_weights(fq, fk).double() @ v).sum(), [v])
+    torch.testing.assert_close(gv, ref)
+
+
+@pytest.mark.parametrize("grid,kernel", [((37,), (3,)), ((5,), (7,)), ((6, 7), (3, 3)), ((2, 9), (5, 3))])
+def test_depthwise_conv_tokens_matches_torch_conv(grid, kernel):
+    torch.manual_seed(0)
+    channels = 6
+    conv = (torch.nn.Conv1d if len(grid) == 1 else torch.nn.Conv2d)(
+        channels, channels, kernel, padding=tuple(k // 2 for k in kernel), groups=channels)
+    x = torch.randn(2, 3, *grid, channels, dtype=torch.float64, requires_grad=True)
+    conv = conv.double()
+    # Reference: channels first, then back.
+    lead = x.shape[:2]
+    xc = x.reshape(-1, *grid, channels).movedim(-1, 1)
+    ref = conv(xc).movedim(1, -1).reshape(*lead, *grid, channels)
+    out = kernels.depthwise_conv_tokens(x, conv.weight, conv.bias)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(ref)
+    params = [x, conv.weight, conv.bias]
+    for a, b in zip(_grads(out, params, g), _grads(ref, params, g)):
+        torch.testing.assert_close(a, b)
+    small = torch.randn(1, 2, *grid, channels, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, w, b: kernels.depthwise_conv_tokens(a, w, b), (small, conv.weight, conv.bias))

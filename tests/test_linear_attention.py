@@ -1,0 +1,371 @@
+"""The attention math: kernel linear attention against its explicit N x N form,
+padding, precision, the DWC branch and feature-map sanity properties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from luna_convert.attention import DepthwiseConvBranch, LinearAttention
+from luna_convert.feature_maps import FEATURE_MAPS, build_feature_map
+from luna_convert.linear_attention import (
+    EPS,
+    attention_distillation_loss,
+    linear_attention,
+    linear_attention_weights,
+    softmax_attention_weights,
+)
+
+MAPS = sorted(FEATURE_MAPS)
+
+
+def explicit_attention(phi_q, phi_k, v, key_mask=None, eps=EPS):
+    """Reference: A_ij = phi(q_i).phi(k_j) / (sum_m phi(q_i).phi(k_m) + eps), sums over real keys
+    only, in float64 with plain loops over batch and head (independent of the library's einsums).
+    eps is the library's documented guard for all-zero features (0 gives the textbook formula)."""
+    b, h, n, _ = phi_q.shape
+    out = torch.zeros(b, h, n, v.shape[-1], dtype=torch.float64)
+    for bi in range(b):
+        real = torch.arange(n) if key_mask is None else key_mask[bi].nonzero().flatten()
+        for hi in range(h):
+            fq, fk = phi_q[bi, hi].double(), phi_k[bi, hi, real].double()
+            scores = fq @ fk.T  # [n, n_real]
+            weights = scores / (scores.sum(-1, keepdim=True) + eps)
+            out[bi, hi] = weights @ v[bi, hi, real].double()
+    return out
+
+
+def random_padding(batch: int, n: int, generator: torch.Generator) -> torch.Tensor:
+    """bool [B, N]: every row keeps a random non-empty prefix, the rest is padding."""
+    lengths = torch.randint(1, n + 1, (batch,), generator=generator)
+    return torch.arange(n)[None, :] < lengths[:, None]
+
+
+def make_layer(name: str, head_dim: int, heads: int, **kw) -> LinearAttention:
+    return LinearAttention(name, head_dim, heads, head_dim**-0.5, **kw).eval()
+
+
+# ----------------------------------------------------------------- explicit formula
+@pytest.mark.parametrize("name", MAPS)
+@pytest.mark.parametrize("trial", range(3))
+def test_linear_attention_equals_explicit_formula(name, trial):
+    g = torch.Generator().manual_seed(100 + trial)
+    b, h, d = 1 + trial, int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(2, 17, (1,), generator=g))
+    n = int(torch.randint(2, 12, (1,), generator=g))
+    q, k, v = (torch.randn(b, h, n, d, generator=g) for _ in range(3))
+    key_mask = random_padding(b, n, g)
+    layer = make_layer(name, d, h)
+    with torch.no_grad():
+        phi_q, phi_k = layer.features(q, k)
+        got = linear_attention(phi_q, phi_k, v, key_mask)
+        ref = explicit_attention(phi_q, phi_k, v, key_mask)
+        # The module's own explicit matrix agrees too (it is the distillation student).
+        weights = linear_attention_weights(phi_q, phi_k, key_mask)
+    rows = key_mask[:, None, :, None].expand_as(got)  # compare real query rows (pads are free)
+    torch.testing.assert_close(got[rows].double(), ref[rows], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close((weights @ v)[rows].double(), ref[rows], atol=1e-5, rtol=1e-4)
+    # Pad keys get exactly zero weight, real rows sum to one.
+    assert torch.all(weights.masked_select(~key_mask[:, None, None, :].expand_as(weights)) == 0)
+    sums = weights.sum(-1)[key_mask[:, None, :].expand(b, h, n)]
+    torch.testing.assert_close(sums, torch.ones_like(sums), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", MAPS)
+def test_layer_forward_is_linear_attention_of_its_features(name):
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 3, 6, 8, generator=g) for _ in range(3))
+    layer = make_layer(name, 8, 3)
+    with torch.no_grad():
+        out = layer(q, k, v)
+        ref = explicit_attention(*layer.features(q, k), v)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_t2r_prescales_query_and_shares_the_map():
+    layer = make_layer("t2r", 16, 2)
+    q, k = torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16)
+    phi_q, phi_k = layer.features(q, k)
+    assert layer.phi_k is None
+    torch.testing.assert_close(phi_q, torch.relu(layer.phi_q.proj(q * 16**-0.5)))
+    torch.testing.assert_close(phi_k, torch.relu(layer.phi_q.proj(k)))
+
+
+def test_hedgehog_has_separate_query_and_key_maps():
+    layer = make_layer("hedgehog", 8, 2)
+    assert layer.phi_k is not None and layer.phi_k is not layer.phi_q
+    assert {p.data_ptr() for p in layer.phi_q.parameters()}.isdisjoint(p.data_ptr() for p in layer.phi_k.parameters())
+
+
+@pytest.mark.parametrize("name", MAPS)
+def test_features_are_non_negative(name):
+    fm = build_feature_map(name, 8, 2)
+    feats = fm(torch.randn(2, 2, 10, 8) * 3)
+    assert feats.shape[-1] == fm.feature_dim
+    assert bool((feats >= 0).all())
+
+
+LUNA_VARIANTS = [
+    {"shared_channels": True},
+    {"envelope": True},
+    {"channel_bank": "fourier"},
+    {"channel_bank": "bank"},
+    {"fast": False},
+    {"projections": 3, "channels": 2, "hidden": 5},
+]
+
+
+@pytest.mark.parametrize("options", LUNA_VARIANTS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_luna_variants_match_explicit_formula_and_padding(options):
+    g = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(2, 2, 7, 8, generator=g) for _ in range(3))
+    mask = torch.tensor([[True] * 7, [True] * 3 + [False] * 4])
+    layer = make_layer("luna", 8, 2, **options)
+    with torch.no_grad():
+        phi_q, phi_k = layer.features(q, k)
+        assert phi_q.shape[-1] == layer.feature_dim and bool((phi_q >= 0).all())
+        out = layer(q, k, v, key_mask=mask)
+        ref = explicit_attention(phi_q, phi_k, v, mask)
+    rows = mask[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[rows].double(), ref[rows], atol=1e-5, rtol=1e-4)
+
+
+def test_luna_fast_path_matches_reference_channels():
+    torch.manual_seed(3)
+    fast, slow = make_layer("luna", 8, 2), make_layer("luna", 8, 2, fast=False)
+    slow.load_state_dict(fast.state_dict())
+    x = torch.randn(2, 2, 9, 8, requires_grad=True)
+    a, b = fast.phi_q(x), slow.phi_q(x)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    ga, = torch.autograd.grad(a.square().sum(), x)
+    gb, = torch.autograd.grad(b.square().sum(), x)
+    torch.testing.assert_close(ga, gb, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------- padding
+@pytest.mark.parametrize("name", MAPS)
+@pytest.mark.parametrize("dwc", [False, True])
+def test_padding_never_changes_real_tokens(name, dwc):
+    g = torch.Generator().manual_seed(3)
+    d, h, n_real, n_pad = 8, 2, 5, 4
+    q, k, v = (torch.randn(1, h, n_real, d, generator=g) for _ in range(3))
+    layer = make_layer(name, d, h, dwc=dwc)
+    if dwc:  # a non-trivial conv so the DWC branch actually mixes tokens
+        with torch.no_grad():
+            layer.dwc.conv.weight.normal_(generator=g)
+            layer.dwc.conv.bias.normal_(generator=g)
+    pad = lambda x: torch.cat([x, 50 * torch.randn(1, h, n_pad, d, generator=g)], 2)  # noqa: E731
+    mask = torch.tensor([[True] * n_real + [False] * n_pad])
+    with torch.no_grad():
+        alone = layer(q, k, v)
+        padded = layer(pad(q), pad(k), pad(v), key_mask=mask)
+    torch.testing.assert_close(padded[:, :, :n_real], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_padding_mask_zeroes_phi_k_not_k():
+    """phi(0) != 0 for T2R (ReLU(b) with b > 0): zeroing k instead of phi(k) would leak pads."""
+    layer = make_layer("t2r", 4, 1)
+    with torch.no_grad():
+        layer.phi_q.proj.bias.fill_(1.0)
+    q, k, v = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
+    mask = torch.tensor([[True, True, False]])
+    with torch.no_grad():
+        out = layer(q, k, v, key_mask=mask)
+        ref = layer(q[:, :, :2], k[:, :, :2], v[:, :, :2])
+    torch.testing.assert_close(out[:, :, :2], ref)
+
+
+# --------------------------------------------------------------- numerics, dtypes
+@pytest.mark.parametrize("name", MAPS)
+def test_gradients_are_finite(name):
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 2, 7, 8, generator=g, requires_grad=True) for _ in range(3))
+    layer = make_layer(name, 8, 2, dwc=True).train()
+    mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    layer(q, k, v, key_mask=mask).square().sum().backward()
+    grads = [q.grad, k.grad, v.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
+    assert len(grads) > 3
+    assert all(bool(torch.isfinite(x).all()) for x in grads)
+    assert any(bool(x.abs().sum() > 0) for x in grads[3:])  # the feature map learns
+
+
+@pytest.mark.parametrize("name", MAPS)
+def test_bf16_inputs_give_finite_output(name):
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 9, 8, generator=g).to(torch.bfloat16) * 4 for _ in range(3))
+    layer = make_layer(name, 8, 2).to(torch.bfloat16)
+    mask = torch.tensor([[True] * 9, [True] * 2 + [False] * 7])
+    with torch.no_grad():
+        out = layer(q, k, v, key_mask=mask)
+        ref = make_layer(name, 8, 2)
+        ref.load_state_dict({k_: t.float() for k_, t in layer.state_dict().items()})
+        out32 = ref(q.float(), k.float(), v.float(), key_mask=mask)
+    assert out.dtype == torch.bfloat16
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out.float(), out32, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("name", MAPS)
+def test_autocast_gives_finite_output(name):
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 2, 9, 8, generator=g) * 4 for _ in range(3))
+    layer = make_layer(name, 8, 2, dwc=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(q, k, v, key_mask=torch.tensor([[True] * 9, [True] * 3 + [False] * 6]))
+    assert bool(torch.isfinite(out).all())
+
+
+def test_linear_attention_accumulates_in_fp32():
+    """Many large bf16 values: the sums would lose everything in bf16; the result must stay exact-ish."""
+    n = 4096
+    phi_q = torch.ones(1, 1, 1, 2, dtype=torch.bfloat16)
+    phi_k = torch.ones(1, 1, n, 2, dtype=torch.bfloat16)
+    v = torch.ones(1, 1, n, 1, dtype=torch.bfloat16)
+    v[..., -1, :] = 1000.0
+    out = linear_attention(phi_q, phi_k, v)
+    expected = (n - 1 + 1000.0) / n
+    assert abs(out.float().item() - expected) < 0.02
+
+
+def test_all_zero_feature_token_gives_no_nan():
+    phi_q = torch.zeros(1, 1, 3, 4)
+    phi_q[0, 0, 1] = 1.0  # token 0 and 2 have all-zero features
+    phi_k = torch.rand(1, 1, 3, 4)
+    phi_k[0, 0, 2] = 0.0
+    v = torch.randn(1, 1, 3, 5)
+    out = linear_attention(phi_q, phi_k, v)
+    assert bool(torch.isfinite(out).all())
+    assert torch.equal(out[0, 0, 0], torch.zeros(5))  # nothing attended, output 0 (not NaN)
+    w = linear_attention_weights(phi_q, phi_k)
+    assert bool(torch.isfinite(w).all())
+    # Every key padded: still finite.
+    assert bool(torch.isfinite(linear_attention(phi_k, phi_k, v, torch.zeros(1, 3, dtype=torch.bool))).all())
+
+
+@pytest.mark.parametrize("name", ["luna", "t2r"])
+def test_relu_maps_with_dead_features_stay_finite(name):
+    layer = make_layer(name, 8, 2)
+    with torch.no_grad():  # push every pre-activation negative: all features zero
+        proj = layer.phi_q.proj
+        proj.weight.zero_()
+        proj.bias.fill_(-5.0)
+        if name == "luna":
+            layer.phi_q.psi.b2.fill_(-5.0)
+            layer.phi_q.psi.w2.zero_()
+    q, k, v = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(3))
+    out = layer(q, k, v)
+    assert torch.equal(out.detach(), torch.zeros_like(out))
+    out.sum().backward()
+    assert all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v))
+
+
+# ------------------------------------------------------------------------- DWC
+def test_dwc_text_branch_zeroes_pads():
+    g = torch.Generator().manual_seed(8)
+    dwc = DepthwiseConvBranch(4, kernel_size=3, spatial=False)
+    with torch.no_grad():
+        dwc.conv.weight.normal_(generator=g)
+        dwc.conv.bias.normal_(generator=g)
+    v = torch.randn(2, 2, 5, 4, generator=g)
+    mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+    out = dwc(v, mask)
+    assert torch.equal(out[1, :, 3:], torch.zeros(2, 2, 4))  # pads output nothing (bias too)
+    # Appending pads (with garbage values) changes no real token.
+    v_long = torch.cat([v, 100 * torch.randn(2, 2, 3, 4, generator=g)], 2)
+    mask_long = torch.cat([mask, torch.zeros(2, 3, dtype=torch.bool)], 1)
+    torch.testing.assert_close(dwc(v_long, mask_long)[:, :, :5], out)
+    # Without a mask, it is a plain per-channel conv over tokens shared by heads.
+    ref = torch.nn.functional.conv1d(v[0, 1].T[None], dwc.conv.weight, dwc.conv.bias, padding=1, groups=4)[0].T
+    torch.testing.assert_close(dwc(v)[0, 1], ref)
+
+
+def test_dwc_spatial_branch_skips_prefix_tokens():
+    g = torch.Generator().manual_seed(9)
+    dwc = DepthwiseConvBranch(4, kernel_size=3, spatial=True)
+    with torch.no_grad():
+        dwc.conv.weight.normal_(generator=g)
+        dwc.conv.bias.normal_(generator=g)
+    prefix, gh, gw = 3, 2, 3
+    v = torch.randn(1, 2, prefix + gh * gw, 4, generator=g)
+    out = dwc(v, grid=(gh, gw), num_prefix=prefix)
+    assert torch.equal(out[:, :, :prefix], torch.zeros(1, 2, prefix, 4))
+    grid = v[0, 0, prefix:].reshape(gh, gw, 4).permute(2, 0, 1)[None]
+    ref = torch.nn.functional.conv2d(grid, dwc.conv.weight, dwc.conv.bias, padding=1, groups=4)
+    torch.testing.assert_close(out[0, 0, prefix:], ref[0].permute(1, 2, 0).reshape(gh * gw, 4))
+    with pytest.raises(ValueError, match="patches"):
+        dwc(v, grid=(3, 3), num_prefix=prefix)
+
+
+@pytest.mark.parametrize("spatial", [False, True])
+def test_dwc_zero_init_equals_pure_linear_attention(spatial):
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(2, 2, 1 + 9, 8, generator=g) for _ in range(3))
+    with_dwc = make_layer("luna", 8, 2, dwc=True, spatial=spatial)
+    without = make_layer("luna", 8, 2, dwc=False)
+    without.load_state_dict(with_dwc.state_dict(), strict=False)
+    kwargs = {"grid": (3, 3), "num_prefix": 1} if spatial else {}
+    with torch.no_grad():
+        torch.testing.assert_close(with_dwc(q, k, v, **kwargs), without(q, k, v), atol=0, rtol=0)
+        with_dwc.dwc.conv.bias.fill_(0.5)
+        assert not torch.allclose(with_dwc(q, k, v, **kwargs), without(q, k, v))
+
+
+# --------------------------------------------------------------- distillation
+@pytest.mark.parametrize("name", MAPS)
+def test_distill_mode_returns_softmax_attention_and_a_loss(name):
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g) for _ in range(3))
+    mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    layer = make_layer(name, 8, 2)
+    layer.distill = True
+    out = layer(q, k, v, key_mask=mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None, None, :], scale=8**-0.5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    loss = layer.distill_loss
+    assert loss is not None and loss.ndim == 0 and bool(torch.isfinite(loss))
+    loss.backward()
+    assert any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in layer.parameters())
+
+
+def test_distillation_loss_ignores_pad_rows_and_is_minimal_at_teacher():
+    g = torch.Generator().manual_seed(13)
+    teacher = torch.softmax(torch.randn(1, 1, 3, 3, generator=g), -1)
+    mask = torch.tensor([[True, True, False]])
+    other = torch.softmax(torch.randn(1, 1, 3, 3, generator=g), -1)
+    assert attention_distillation_loss(teacher, teacher) < attention_distillation_loss(teacher, other)
+    garbage = teacher.clone()
+    garbage[:, :, 2] = 1e-9  # a pad query row's prediction must not matter
+    torch.testing.assert_close(attention_distillation_loss(teacher, garbage, mask),
+                               attention_distillation_loss(teacher, teacher, mask))
+
+
+def test_softmax_weights_mask_pad_keys():
+    q, k = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
+    mask = torch.tensor([[True, True, True, False]])
+    w = softmax_attention_weights(q, k, 8**-0.5, mask)
+    assert torch.equal(w[..., 3], torch.zeros(1, 1, 4))
+    torch.testing.assert_close(w[..., :3], torch.softmax(q @ k.transpose(-1, -2) * 8**-0.5, -1)[..., :3]
+                               / torch.softmax(q @ k.transpose(-1, -2) * 8**-0.5, -1)[..., :3].sum(-1, keepdim=True))
+
+
+def _mean_row_kl(teacher: torch.Tensor, student: torch.Tensor) -> float:
+    return float((teacher * (torch.log(teacher + 1e-12) - torch.log(student + 1e-12))).sum(-1).mean())
+
+
+def test_hedgehog_at_init_approximates_peaked_softmax_better_than_t2r():
+    """Sanity: Hedgehog's softmax features (W = I) are spiky like exp(q.k); ReLU(Wx+b) at a
+    random init is not. With large-norm q and k the softmax rows are peaked."""
+    g = torch.Generator().manual_seed(14)
+    d, h, n = 16, 2, 32
+    q = torch.randn(2, h, n, d, generator=g) * 3
+    k = torch.cat([q[:, :, : n // 2] + 0.1 * torch.randn(2, h, n // 2, d, generator=g),
+                   torch.randn(2, h, n - n // 2, d, generator=g) * 3], 2)
+    teacher = softmax_attention_weights(q, k, d**-0.5)
+    assert float(teacher.max(-1).values.mean()) > 0.5  # peaked
+    kl = {}
+    for name in ("hedgehog", "t2r"):
+        torch.manual_seed(0)
+        layer = make_layer(name, d, h)
+        with torch.no_grad():
+            kl[name] = _mean_row_kl(teacher, layer.attention_weights(q, k))
+    assert kl["hedgehog"] < kl["t2r"], kl
