@@ -11,6 +11,7 @@ Class attributes tell the attention module how to use a map:
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Callable
 
@@ -30,7 +31,7 @@ def register_feature_map(name: str) -> Callable[[type], type]:
     return wrap
 
 
-class FeatureMap(nn.Module):
+class FeatureMap(nn.Module, abc.ABC):
     name: str = ""
     shared_qk: bool = True
     prescale_query: bool = False
@@ -41,8 +42,9 @@ class FeatureMap(nn.Module):
         self.num_heads = num_heads
 
     @property
-    def feature_dim(self) -> int:  # D
-        raise NotImplementedError  # abstract: every registered map defines it
+    @abc.abstractmethod
+    def feature_dim(self) -> int:
+        """D, the number of features per head."""
 
 
 # --------------------------------------------------------------------------- LUNA
