@@ -19,6 +19,7 @@ from luna_convert.autoconfig import (
 from luna_convert.errors import LunaConvertError
 from luna_convert.models import load_model
 from luna_convert.recipes import apply_overrides, load_recipe
+from test_pipeline import write_timm_checkpoint
 
 POS, NEG, FILL = ["good", "great", "fine"], ["awful", "bad", "poor"], "movie film plot actor the a is was very not".split()
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *POS, *NEG, *FILL]
@@ -100,13 +101,7 @@ def image_folder(folder: Path, classes=("cat", "dog", "fox"), per_class: int = 4
 
 
 def tiny_timm(folder: Path, num_classes: int = 3) -> Path:
-    import luna_convert
-
-    torch.manual_seed(0)
-    model = luna_convert.create_timm_model("vit_tiny_patch16_224", img_size=16, patch_size=8, embed_dim=16, depth=1,
-                                           num_heads=2, num_classes=num_classes)
-    luna_convert.save(model, folder, extra={"image_config": {"mean": [0.5] * 3, "std": [0.5] * 3, "size": 16}})
-    return folder
+    return write_timm_checkpoint(folder, num_classes, img_size=16, embed_dim=16, depth=1, num_heads=2)
 
 
 def own_config(model: Path, data, **over) -> dict:

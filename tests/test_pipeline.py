@@ -68,11 +68,15 @@ def write_image_folder(folder: Path, classes=("cat", "dog", "fox"), per_class: i
     return folder
 
 
-def write_timm_checkpoint(folder: Path, num_classes: int = 3) -> Path:
+def write_timm_checkpoint(folder: Path, num_classes: int = 3, img_size: int = 32, embed_dim: int = 32,
+                          depth: int = 2, num_heads: int = 4) -> Path:
+    """A tiny timm ViT saved in luna_convert.save format (an original, unconverted checkpoint)."""
     torch.manual_seed(0)
-    model = luna_convert.create_timm_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2,
-                                           num_heads=4, num_classes=num_classes)
-    luna_convert.save(model, folder, extra={"image_config": {"mean": [0.5] * 3, "std": [0.5] * 3, "size": 32}})
+    model = luna_convert.create_timm_model("vit_tiny_patch16_224", img_size=img_size, patch_size=8,
+                                           embed_dim=embed_dim, depth=depth, num_heads=num_heads,
+                                           num_classes=num_classes)
+    image_config = {"mean": [0.5] * 3, "std": [0.5] * 3, "size": img_size}
+    luna_convert.save(model, folder, extra={"image_config": image_config})
     return folder
 
 
