@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .feature_maps import build_feature_map
+from .kernels import depthwise_conv_tokens, streamed_linear_attention
 from .linear_attention import (
     attention_distillation_loss,
     linear_attention,
@@ -41,19 +42,20 @@ class DepthwiseConvBranch(nn.Module):
         nn.init.zeros_(self.conv.bias)
 
     def forward(self, v, key_mask=None, grid=None, num_prefix: int = 0):
+        # kernels.depthwise_conv_tokens works in the [..., tokens, d] layout of v, so
+        # no channels-first copies (and a faster backward than torch's CPU depthwise conv).
         b, h, n, d = v.shape
+        weight, bias = self.conv.weight.to(v.dtype), self.conv.bias.to(v.dtype)  # as autocast would run the conv
         if not self.spatial:
-            if key_mask is not None:
-                v = v * key_mask[:, None, :, None].to(v.dtype)
-            x = v.reshape(b * h, n, d).transpose(1, 2)
-            out = self.conv(x).transpose(1, 2).reshape(b, h, n, d)
-            return out if key_mask is None else out * key_mask[:, None, :, None].to(out.dtype)
+            if key_mask is None:
+                return depthwise_conv_tokens(v, weight, bias)
+            keep = key_mask[:, None, :, None].to(v.dtype)
+            return depthwise_conv_tokens(v * keep, weight, bias) * keep
         gh, gw = grid
         patches = v[:, :, num_prefix:]
         if patches.shape[2] != gh * gw:
             raise ValueError(f"DWC expects {gh}x{gw} patches after {num_prefix} prefix tokens, got {patches.shape[2]}")
-        x = patches.reshape(b * h, gh, gw, d).permute(0, 3, 1, 2)
-        out = self.conv(x).permute(0, 2, 3, 1).reshape(b, h, gh * gw, d)
+        out = depthwise_conv_tokens(patches.reshape(b, h, gh, gw, d), weight, bias).reshape(b, h, gh * gw, d)
         return F.pad(out, (0, 0, num_prefix, 0))
 
 
@@ -86,26 +88,50 @@ class LinearAttention(nn.Module):
         self.phi_k = None if self.phi_q.shared_qk else build_feature_map(feature_map, head_dim, num_heads, **feature_map_options)
         self.dwc = DepthwiseConvBranch(head_dim, dwc_kernel, spatial) if dwc else None
         self.distill = False
+        # On the CPU, long inputs stream tokens in chunks (kernels.streamed_linear_attention)
+        # once the float32 features of all tokens would exceed stream_min_bytes: glibc maps
+        # buffers over 32 MiB fresh from the OS on every call, and faulting their pages in
+        # cost as much as the arithmetic (bench: 1.6-2x at 16k tokens). Same result.
+        self.stream_min_bytes, self.stream_chunk_bytes = 32 << 20, 4 << 20
         self.distill_loss: torch.Tensor | None = None
 
     @property
     def feature_dim(self) -> int:
         return self.phi_q.feature_dim
 
+    def query_features(self, q: torch.Tensor) -> torch.Tensor:
+        return self.phi_q(q * self.head_dim**-0.5 if self.phi_q.prescale_query else q)
+
+    def key_features(self, k: torch.Tensor) -> torch.Tensor:
+        return (self.phi_k or self.phi_q)(k)
+
     def features(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.phi_q.prescale_query:
-            q = q * self.head_dim**-0.5
-        return self.phi_q(q), (self.phi_k or self.phi_q)(k)
+        return self.query_features(q), self.key_features(k)
+
+    def stream_chunk(self, batch: int, tokens: int) -> int | None:
+        """Tokens per chunk for the streamed path, or None when all features fit comfortably at once."""
+        if not self.phi_q.stream_long_inputs:
+            return None
+        per_token = batch * self.num_heads * max(self.feature_dim, self.head_dim) * 4  # float32 bytes
+        if per_token * tokens <= self.stream_min_bytes:
+            return None
+        return max(16, self.stream_chunk_bytes // per_token)
 
     def forward(self, q, k, v, key_mask=None, grid=None, num_prefix: int = 0) -> torch.Tensor:
         """q, k, v: [B, H, N, d]; key_mask: bool [B, N] (True = real). Returns [B, H, N, d]."""
-        phi_q, phi_k = self.features(q, k)
         if self.distill:
+            phi_q, phi_k = self.features(q, k)
             teacher = softmax_attention_weights(q, k, self.softmax_scale, key_mask)
             student = linear_attention_weights(phi_q, phi_k, key_mask, self.eps)
             self.distill_loss = attention_distillation_loss(teacher.detach(), student, key_mask, self.eps)
             return torch.einsum("bhnm,bhmd->bhnd", teacher, v.float()).to(v.dtype)
-        out = linear_attention(phi_q, phi_k, v, key_mask, self.eps)
+        chunk = self.stream_chunk(v.shape[0], v.shape[2]) if v.device.type == "cpu" else None
+        if chunk is None:
+            out = linear_attention(*self.features(q, k), v, key_mask, self.eps)
+        else:
+            params = [p for m in (self.phi_q, self.phi_k) if m is not None for p in m.parameters()]
+            out = streamed_linear_attention(q, k, v, self.query_features, self.key_features, params,
+                                            key_mask, self.eps, chunk)
         if self.dwc is not None:
             out = out + self.dwc(v, key_mask, grid, num_prefix)
         return out

@@ -241,16 +241,58 @@ class _PiecewiseLinearReLU(torch.autograd.Function):
 _TABLE_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+class _TableScope:
+    """Tables built once per channel bank while many chunks are recomputed with gradients.
+
+    Inside the scope (``streamed_linear_attention``'s backward) ``_prepared``
+    hands out detached leaf copies of the tables, so every chunk reuses one
+    set (and one locator) instead of rebuilding them; ``pullback`` then
+    carries the leaves' summed gradients back to the bank's parameters once.
+    """
+
+    def __init__(self):
+        self.entries: dict = {}  # key -> (tables with graph, leaf tables, prepared)
+
+    def leaves(self) -> list[torch.Tensor]:
+        return [leaf for _, leaves, _ in self.entries.values() for leaf in leaves]
+
+    def get(self, psi, compute, scale, device, build):
+        key = (id(psi), compute, scale, device)
+        if key not in self.entries:
+            knots, slope, intercept = build()
+            tables = (slope.to(compute).contiguous(), intercept.to(compute).contiguous())
+            leaves = tuple(t.detach().requires_grad_() for t in tables)
+            self.entries[key] = (tables, leaves, (*leaves, _Locator(knots.to(compute), use_grid=device.type == "cpu")))
+        return self.entries[key][2]
+
+    def pullback(self, leaf_grads: dict, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Gradients of ``params`` from the accumulated gradients of the leaf tables."""
+        outputs, grads = [], []
+        for tables, leaves, _ in self.entries.values():
+            for t, leaf in zip(tables, leaves):
+                if leaf in leaf_grads and t.requires_grad:
+                    outputs.append(t)
+                    grads.append(leaf_grads[leaf])
+        if not outputs or not params:
+            return [None] * len(params)
+        return list(torch.autograd.grad(outputs, params, grads, allow_unused=True))
+
+
+_TABLE_SCOPE: _TableScope | None = None
+
+
 def _prepared(psi, compute: torch.dtype, scale: float, device: torch.device):
     """(slope, intercept, locator) in ``compute`` dtype, from the cache when that is safe."""
     params = (psi.w1, psi.b1, psi.w2, psi.b2)
     recording = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+    table_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+    if recording and _TABLE_SCOPE is not None:
+        return _TABLE_SCOPE.get(psi, compute, scale, device, lambda: channel_tables(psi, table_dtype, scale))
     key = (compute, scale, device, tuple((p.data_ptr(), p._version, p.dtype) for p in params))
     if not recording:
         hit = _TABLE_CACHE.get(psi)
         if hit is not None and hit[0] == key and all(a is b for a, b in zip(hit[1], params)):
             return hit[2]
-    table_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
     knots, slope, intercept = channel_tables(psi, table_dtype, scale)
     knots = knots.to(compute)
     prepared = (slope.to(compute).contiguous(), intercept.to(compute).contiguous(),
@@ -395,3 +437,142 @@ def depthwise_conv_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if x.dim() < ndim + 1 or x.shape[-1] != weight.shape[0]:
         raise ValueError(f"x {tuple(x.shape)} does not match a depthwise weight {tuple(weight.shape)}")
     return _DepthwiseConv.apply(x, weight, bias, ndim)
+
+
+# --------------------------------------------------------------------------- streamed linear attention
+def _token_chunks(n: int, chunk: int):
+    return [slice(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+
+
+class _StreamedLinearAttention(torch.autograd.Function):
+    """Linear attention that never holds phi(q) or phi(k) for all tokens at once.
+
+    Forward: S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j) are accumulated over
+    chunks of keys, then each chunk of queries gives its rows of the output.
+    Backward recomputes the features chunk by chunk (one extra feature-map
+    forward) and pulls their gradients through ``torch.autograd.grad``, so
+    only q, k, v, S and z are saved. Long sequences gain twice: every
+    intermediate stays small enough for the cache, and no [N, D]-sized buffer
+    is allocated per call (above 32 MiB, glibc hands those out as fresh
+    mmapped pages, and faulting them in costs as much as the arithmetic).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_mask, eps, chunk, phi_q, phi_k, *params):
+        b, h, n, d = v.shape
+        keep = None if key_mask is None else key_mask[:, None, :, None]
+        kv = z = None
+        for c in _token_chunks(n, chunk):
+            pk = phi_k(k[:, :, c]).float()
+            if keep is not None:
+                pk = pk * keep[:, :, c].to(pk.dtype)
+            part = torch.matmul(pk.transpose(-1, -2), v[:, :, c].float())  # [B, H, D, d]
+            kv = part if kv is None else kv.add_(part)
+            z = pk.sum(-2) if z is None else z.add_(pk.sum(-2))  # [B, H, D]
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        for c in _token_chunks(n, chunk):
+            pq = phi_q(q[:, :, c]).float()
+            r = torch.matmul(pq, z[..., None]).add_(eps).reciprocal_()
+            out[:, :, c] = torch.matmul(pq, kv).mul_(r)
+        device_type = v.device.type
+        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        ctx.eps, ctx.chunk, ctx.phi_q, ctx.phi_k = eps, chunk, phi_q, phi_k
+        ctx.save_for_backward(q, k, v, key_mask, kv, z, *params)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        global _TABLE_SCOPE
+        outer, _TABLE_SCOPE = _TABLE_SCOPE, _TableScope()
+        try:
+            return _StreamedLinearAttention._backward(ctx, grad_out, _TABLE_SCOPE)
+        finally:
+            _TABLE_SCOPE = outer
+
+    @staticmethod
+    def _backward(ctx, grad_out, scope: _TableScope):
+        q, k, v, key_mask, kv, z, *params = ctx.saved_tensors
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        need_params = ctx.needs_input_grad[8:]
+        wanted = [p for p, need in zip(params, need_params) if need]
+        param_grads = [torch.zeros_like(p) for p in wanted]
+        leaf_grads: dict = {}
+        n = v.shape[2]
+        grad_q = torch.empty_like(q) if need_q else None
+        grad_k = torch.empty_like(k) if need_k else None
+        grad_v = torch.empty_like(v) if need_v else None
+        d_kv, d_z = torch.zeros_like(kv), torch.zeros_like(z)
+        keep = None if key_mask is None else key_mask[:, None, :, None]
+        device_type, autocast_on, autocast_dtype = ctx.autocast
+
+        def features(phi, x, need_x, rows, masked=False):
+            """phi(x[rows]) recomputed with a graph back to x's rows (if needed) and the parameters."""
+            xc = x[:, :, rows].detach().requires_grad_(need_x)
+            with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
+                feats = phi(xc).float()
+                if masked and keep is not None:
+                    feats = feats * keep[:, :, rows].to(feats.dtype)
+            return xc, feats
+
+        def pull(feats, xc, need_x, grad_feats, grad_x, rows):
+            """Back-propagate grad_feats into x's rows, the parameters and the scope's leaf tables."""
+            if not feats.requires_grad:  # nothing upstream needs a gradient
+                if need_x:
+                    grad_x[:, :, rows] = 0
+                return
+            leaves = scope.leaves() if wanted else []
+            inputs = ([xc] if need_x else []) + wanted + leaves
+            grads = list(torch.autograd.grad(feats, inputs, grad_feats, allow_unused=True))
+            if need_x:
+                grad_x[:, :, rows] = grads.pop(0)
+            for acc, g in zip(param_grads, grads[: len(wanted)]):
+                if g is not None:
+                    acc.add_(g)
+            for leaf, g in zip(leaves, grads[len(wanted):]):
+                if g is not None:
+                    leaf_grads[leaf] = g if leaf not in leaf_grads else leaf_grads[leaf].add_(g)
+
+        # Queries: out = (pq kv) r with r = 1 / (pq z + eps).
+        for c in _token_chunks(n, ctx.chunk):
+            qc, pq = features(ctx.phi_q, q, need_q, c)
+            with torch.no_grad():
+                pq_ = pq.detach()
+                r = torch.matmul(pq_, z[..., None]).add_(ctx.eps).reciprocal_()
+                o = torch.matmul(pq_, kv).mul_(r)
+                g = grad_out[:, :, c].float()
+                g_num = g * r  # d loss / d (pq kv)
+                g_den = torch.linalg.vecdot(g, o)[..., None].mul_(r).neg_()  # d loss / d (pq z)
+                d_kv.add_(torch.matmul(pq_.transpose(-1, -2), g_num))
+                d_z.add_((pq_ * g_den).sum(-2))
+                grad_pq = torch.matmul(g_num, kv.transpose(-1, -2)).add_(g_den * z[:, :, None, :])
+            pull(pq, qc, need_q, grad_pq, grad_q, c)
+        # Keys and values: kv = sum pk^T v, z = sum pk.
+        for c in _token_chunks(n, ctx.chunk):
+            kc, pk = features(ctx.phi_k, k, need_k, c, masked=True)
+            with torch.no_grad():
+                if need_v:
+                    grad_v[:, :, c] = torch.matmul(pk.detach(), d_kv)
+                grad_pk = torch.matmul(v[:, :, c].float(), d_kv.transpose(-1, -2)).add_(d_z[:, :, None, :])
+            pull(pk, kc, need_k, grad_pk, grad_k, c)
+        for acc, g in zip(param_grads, scope.pullback(leaf_grads, wanted)):
+            if g is not None:
+                acc.add_(g)
+        grads = iter(param_grads)
+        param_out = [next(grads) if need else None for need in need_params]
+        return (grad_q, grad_k, grad_v, None, None, None, None, None, *param_out)
+
+
+def streamed_linear_attention(q, k, v, phi_q, phi_k, params, key_mask=None, eps: float = 1e-6,
+                              chunk: int = 1024) -> torch.Tensor:
+    """phi_q(q) S / (phi_q(q) z + eps) over chunks of ``chunk`` tokens, for token-wise feature maps.
+
+    ``phi_q`` and ``phi_k`` map [B, H, n, d] to [B, H, n, D] one token at a time;
+    ``params`` are the tensors they depend on (their gradients come back through
+    autograd). key_mask: bool [B, N], True = real. Returns [B, H, N, d] in v's
+    dtype; sums, the division and gradients run in float32. Same values and
+    gradients as ``linear_attention.linear_attention(phi_q(q), phi_k(k), v)``.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    return _StreamedLinearAttention.apply(q, k, v, key_mask, eps, chunk, phi_q, phi_k, *params)

@@ -8,6 +8,7 @@ import torch
 
 from luna_convert.attention import DepthwiseConvBranch, LinearAttention
 from luna_convert.feature_maps import FEATURE_MAPS, build_feature_map
+from luna_convert.kernels import streamed_linear_attention
 from luna_convert.linear_attention import (
     EPS,
     attention_distillation_loss,
@@ -369,3 +370,91 @@ def test_hedgehog_at_init_approximates_peaked_softmax_better_than_t2r():
         with torch.no_grad():
             kl[name] = _mean_row_kl(teacher, layer.attention_weights(q, k))
     assert kl["hedgehog"] < kl["t2r"], kl
+
+
+@pytest.mark.parametrize("spatial", [False, True])
+def test_dwc_branch_gradients_match_torch_conv_and_keep_dtype(spatial):
+    g = torch.Generator().manual_seed(11)
+    dwc = DepthwiseConvBranch(4, kernel_size=3, spatial=spatial)
+    with torch.no_grad():
+        dwc.conv.weight.normal_(generator=g)
+        dwc.conv.bias.normal_(generator=g)
+    v = torch.randn(2, 3, 9, 4, generator=g, requires_grad=True)
+    kwargs = {"grid": (3, 3)} if spatial else {}
+    out = dwc(v, **kwargs)
+    # Reference: torch's own depthwise conv on the channels-first layout.
+    x = v.reshape(6, 3, 3, 4).permute(0, 3, 1, 2) if spatial else v.reshape(6, 9, 4).transpose(1, 2)
+    ref = dwc.conv(x)
+    ref = (ref.permute(0, 2, 3, 1) if spatial else ref.transpose(1, 2)).reshape(2, 3, 9, 4)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, (v, dwc.conv.weight, dwc.conv.bias), grad)
+    want = torch.autograd.grad(ref, (v, dwc.conv.weight, dwc.conv.bias), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    half = dwc(v.detach().bfloat16(), **kwargs)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), out.detach(), atol=0.1, rtol=0.05)
+
+
+# ------------------------------------------------------------------------- streamed path
+def streamed_and_plain(name, **kw):
+    """Two identical layers: one streams every input in chunks of 16 tokens, the other never streams."""
+    plain = make_layer(name, 8, 3, **kw).train()
+    streamed = make_layer(name, 8, 3, **kw).train()
+    streamed.load_state_dict(plain.state_dict())
+    plain.stream_min_bytes = 1 << 62
+    streamed.stream_min_bytes, streamed.stream_chunk_bytes = 0, 1  # chunk = 16 tokens
+    return plain, streamed
+
+
+def test_stream_chunk_policy():
+    t2r, luna = make_layer("t2r", 64, 12), make_layer("luna", 64, 12)
+    assert t2r.stream_chunk(1, 2048) is None  # 6 MiB of features: the plain path
+    assert t2r.stream_chunk(1, 16384) == (4 << 20) // (12 * 64 * 4)  # 48 MiB: 4 MiB chunks
+    assert luna.stream_chunk(1, 16384) is None  # its kernel already works in chunks
+    assert make_layer("luna", 64, 12, fast=False).stream_chunk(1, 16384) is not None
+
+
+@pytest.mark.parametrize("name", MAPS + ["luna-reference"])
+@pytest.mark.parametrize("inputs_need_grad", [True, False])
+def test_streamed_path_matches_plain_values_and_gradients(name, inputs_need_grad):
+    """kernels.streamed_linear_attention against the plain layer: output and every gradient."""
+    g = torch.Generator().manual_seed(12)
+    layer = make_layer("luna", 8, 3, fast=False) if name == "luna-reference" else make_layer(name, 8, 3)
+    layer.train().stream_min_bytes = 1 << 62
+    q, k, v = (torch.randn(2, 3, 37, 8, generator=g) for _ in range(3))
+    key_mask = torch.arange(37)[None, :] < torch.tensor([[37], [20]])  # the second row ends in a padded chunk
+    grad = torch.randn(2, 3, 37, 8, generator=g)
+    params = list(layer.parameters())
+
+    def streamed(q, k, v, key_mask):
+        return streamed_linear_attention(q, k, v, layer.query_features, layer.key_features, params,
+                                         key_mask, layer.eps, chunk=16)
+
+    results = []
+    for fn in (layer, streamed):
+        x = [t.clone().requires_grad_(inputs_need_grad) for t in (q, k, v)]
+        out = fn(*x, key_mask=key_mask)
+        wrt = (x if inputs_need_grad else []) + params
+        results.append((out.detach(), torch.autograd.grad(out, wrt, grad, allow_unused=True)))
+    (out_p, grads_p), (out_s, grads_s) = results
+    torch.testing.assert_close(out_s, out_p, rtol=1e-5, atol=1e-6)
+    assert len(grads_p) == len(grads_s) > 0
+    for a, b in zip(grads_p, grads_s):
+        assert a is not None and a.abs().sum() > 0
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_streamed_path_under_bf16_autocast_and_no_grad():
+    g = torch.Generator().manual_seed(13)
+    plain, streamed = streamed_and_plain("hedgehog")
+    q, k, v = (torch.randn(2, 3, 40, 8, generator=g) for _ in range(3))
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(q, k, v), plain(q, k, v), rtol=1e-5, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_p, out_s = plain(q, k, v.bfloat16()), streamed(q, k, v.bfloat16())
+        assert out_s.dtype == out_p.dtype == torch.bfloat16
+        torch.testing.assert_close(out_s.float(), out_p.float(), rtol=0.02, atol=0.02)
+        out_s.float().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in streamed.phi_q.parameters())
