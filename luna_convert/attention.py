@@ -133,7 +133,8 @@ class LinearAttention(nn.Module):
             out = streamed_linear_attention(q, k, v, self.query_features, self.key_features, params,
                                             key_mask, self.eps, chunk)
         if self.dwc is not None:
-            out = out + self.dwc(v, key_mask, grid, num_prefix)
+            # In place into the branch's fresh output (nothing saves it): one [B, H, N, d] buffer fewer.
+            out = self.dwc(v, key_mask, grid, num_prefix).add_(out)
         return out
 
     def attention_weights(self, q, k, key_mask=None) -> torch.Tensor:

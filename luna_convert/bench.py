@@ -38,6 +38,7 @@ Heavy imports (torch, transformers, matplotlib, rich) happen inside functions.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -47,6 +48,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
+
+from .errors import LunaConvertError, unknown_name
+from .fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 QUICK_LENGTHS = (128, 256)
@@ -628,8 +632,10 @@ def _plot(results: dict, path: Path) -> None:
         ax.grid(True, axis="x", which="both", lw=0.3)
         ax.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=80)
     plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def _meta(device, repeats: int, warmup: int, quick: bool) -> dict:
@@ -704,21 +710,20 @@ def run_benchmark(
 
     console = console or Console()
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' was asked for but torch.cuda.is_available() is False")
+        raise LunaConvertError("--device cuda was asked for but torch sees no CUDA GPU; use --device cpu")
     if lengths is None or (quick and tuple(lengths) == DEFAULT_LENGTHS):
         lengths = QUICK_LENGTHS if quick else DEFAULT_LENGTHS
     lengths = tuple(sorted({int(n) for n in lengths}))
     if not lengths or min(lengths) < 1:
-        raise ValueError(f"lengths must be positive integers, got {lengths}")
+        raise LunaConvertError(f"lengths must be positive integers, got {lengths}")
     if methods is None:
         methods = [*METHODS, LUNA_CORE]
     linear = list(dict.fromkeys(m for m in methods if m not in (SOFTMAX, SOFTMAX_EAGER)))
     unknown = [m for m in linear if m not in METHODS and m != LUNA_CORE]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; choose from {sorted([*METHODS, LUNA_CORE])}")
+        raise unknown_name("method", unknown[0], [*METHODS, LUNA_CORE])
     with_eager = bool(eager_max_length) and min(lengths) <= eager_max_length
     methods = [SOFTMAX, *([SOFTMAX_EAGER] if with_eager else []), *linear]
     layer_repeats = repeats or (1 if quick else 5)
@@ -729,12 +734,13 @@ def run_benchmark(
         console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}", highlight=False)
 
     if timer not in ("wall", "cpu"):
-        raise ValueError(f"timer must be 'wall' or 'cpu', got {timer!r}")
+        raise LunaConvertError(f"timer must be 'wall' or 'cpu', got {timer!r}")
     cpu_time = timer == "cpu" and dev.type == "cpu"
     if cpu_time:
         if threads not in (None, 1):
-            raise ValueError("timer='cpu' measures one thread: use threads=1")
+            raise LunaConvertError("the cpu timer measures one thread: use --threads 1 (or leave it out)")
         threads = 1
+    output_dir.mkdir(parents=True, exist_ok=True)
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -766,8 +772,8 @@ def _run(output_dir, lengths, methods, dev, layer_repeats, model_repeats, warmup
     results["meta"]["seconds"] = time.perf_counter() - t0
     if hasattr(os, "getloadavg"):
         results["meta"]["load_average_end"] = os.getloadavg()
-    (output_dir / "bench.json").write_text(json.dumps(results, indent=2))
-    (output_dir / "bench.md").write_text(markdown_tables(results))
+    atomic_write_json(output_dir / "bench.json", results)
+    atomic_write_text(output_dir / "bench.md", markdown_tables(results))
     _plot(results, output_dir / "bench.png")
     _print_tables(results, console)
     log(f"wrote bench.json, bench.md and bench.png to {output_dir} ({results['meta']['seconds']:.0f} s)")

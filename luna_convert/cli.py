@@ -276,7 +276,13 @@ def bench(
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", help="Default: outputs/bench-<time>/."),
     quick: bool = typer.Option(False, "--quick", help="Few lengths and repeats (a smoke run)."),
     lengths: Optional[str] = typer.Option(None, "--lengths", help="Comma-separated sequence lengths."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated methods (default: all, "
+                                          "plus luna-nodwc)."),
     no_models: bool = typer.Option(False, "--no-models", help="Attention layers only, skip whole models."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", min=1, help="Timed runs per measurement (median)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads for the run."),
+    timer: str = typer.Option("wall", "--timer", help="wall, or cpu: the thread's CPU time (one thread; for a "
+                              "machine shared with other work)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
 ) -> None:
     """Time and memory of softmax vs every method as sequence length grows."""
@@ -285,11 +291,22 @@ def bench(
     from .bench import run_benchmark
 
     out = output_dir or Path("outputs") / f"bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    kwargs = {"models": not no_models, "quick": quick, "device": device}
+    kwargs = {"models": not no_models, "quick": quick, "device": device, "repeats": repeats, "threads": threads,
+              "timer": timer}
     if lengths:
-        kwargs["lengths"] = tuple(int(x) for x in lengths.split(","))
+        kwargs["lengths"] = _int_list(lengths, "--lengths")
+    if methods:
+        kwargs["methods"] = [m.strip() for m in methods.split(",") if m.strip()]
     _guard(lambda: run_benchmark(out, **kwargs))
     console.print(f"wrote {out}")
+
+
+def _int_list(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, e.g. 1024,4096; got {text!r}",
+                                 param_hint=option) from None
 
 
 @app.command("attention-map")

@@ -61,6 +61,8 @@ GPU_CHUNK = 1 << 22
 # Grid locator: at most this many knots may share a cell (else a finer grid, then searchsorted).
 MAX_KNOTS_PER_CELL = 4
 MAX_CELLS = 1 << 17
+# Depthwise conv backward: bytes of each per-tap product for the weight gradient.
+DWC_CHUNK_BYTES = 1 << 20
 
 
 def channel_tables(psi, dtype: torch.dtype = torch.float64, scale: float = 1.0):
@@ -411,12 +413,20 @@ class _DepthwiseConv(torch.autograd.Function):
         grad_x = grad * w[:, centre] if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
         for t, dst, src in taps:
-            if dst is None:
-                continue
-            if grad_x is not None and t != centre:
+            if dst is not None and grad_x is not None and t != centre:
                 grad_x[src].addcmul_(grad[dst], w[:, t])
-            if grad_w is not None:
-                grad_w[:, t] = (grad[dst] * x[src]).sum(reduce_dims)
+        if grad_w is not None:
+            # sum over rows of grad[dst] * x[src], a few leading rows (batch x heads) at a time:
+            # the products stay cache-sized instead of one full-size temporary per tap.
+            grid_shape = grad.shape[-1 - ctx.ndim:]
+            rows_g, rows_x = grad.reshape(-1, *grid_shape), x.reshape(-1, *grid_shape)
+            step = max(1, DWC_CHUNK_BYTES // (math.prod(grid_shape) * grad.element_size()))
+            dims = tuple(range(ctx.ndim + 1))
+            for r in range(0, rows_g.shape[0], step):
+                g_rows, x_rows = rows_g[r:r + step], rows_x[r:r + step]
+                for t, dst, src in taps:
+                    if dst is not None:
+                        grad_w[:, t] += (g_rows[dst] * x_rows[src]).sum(dims)
         grad_b = grad.sum(reduce_dims) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None if grad_w is None else grad_w.view_as(weight), grad_b, None
 

@@ -61,3 +61,35 @@ def test_cpu_timer_layers_only(tmp_path):
     assert results["models"] is None
     assert all(_positive(r["fwd_ms"]) and "fwd_peak_mb" not in r for r in results["layers"]["results"])
     assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.png").exists()
+
+
+def test_bench_cli_options(tmp_path):
+    from typer.testing import CliRunner
+
+    from luna_convert.cli import app
+
+    out = tmp_path / "b"
+    result = CliRunner().invoke(app, ["bench", "--output-dir", str(out), "--quick", "--no-models", "--lengths", "16,32",
+                                      "--methods", "t2r,luna-nodwc", "--repeats", "2", "--timer", "cpu"])
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "bench.json").read_text())
+    assert data["meta"]["timer"] == "thread CPU time" and data["meta"]["threads"] == 1
+    assert {r["method"] for r in data["layers"]["results"]} == {"softmax", "softmax-eager", "t2r", "luna-nodwc"}
+    assert all(len(r["fwd_runs_ms"]) == 2 for r in data["layers"]["results"])
+
+
+def test_bench_cli_bad_input_writes_nothing(tmp_path):
+    from typer.testing import CliRunner
+
+    from luna_convert.cli import app
+
+    cases = [(["--methods", "lunaa"], "unknown method 'lunaa'. Did you mean luna"),
+             (["--timer", "gpu"], "timer must be 'wall' or 'cpu'"),
+             (["--timer", "cpu", "--threads", "2"], "use --threads 1"),
+             (["--lengths", "1k"], "comma-separated integers")]
+    for args, message in cases:
+        out = tmp_path / "never"
+        result = CliRunner().invoke(app, ["bench", "--output-dir", str(out), "--quick", "--no-models", *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert message in " ".join(result.output.split()), (args, result.output)
+        assert not out.exists()
