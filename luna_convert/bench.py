@@ -145,6 +145,8 @@ def peak_memory(fns: dict[str, Callable[[], object]], device, setup: Callable[[s
         return peaks
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    # Kineto otherwise prints start/stop lines and "gpuGetDeviceCount failed" on CPU-only machines.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     labels = {name: f"luna-bench-memory/{i}" for i, name in enumerate(fns)}
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for name, fn in fns.items():

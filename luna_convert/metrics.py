@@ -13,7 +13,10 @@ import numpy as np
 from .errors import LunaConvertError
 from .tasks import TaskSpec, get_task
 
-__all__ = ["compute_metrics", "headline_metric", "metric_names"]
+__all__ = ["compute_metrics", "headline_metric", "metric_names", "recovered_pct", "LOWER_IS_BETTER"]
+
+# Error metrics: a smaller value is a better model.
+LOWER_IS_BETTER = frozenset({"mse"})
 
 _GLUE_KEYS: dict[str, tuple[str, ...]] = {
     "cola": ("matthews_correlation",),
@@ -31,6 +34,14 @@ _GLUE_KEYS: dict[str, tuple[str, ...]] = {
 def headline_metric(task: TaskSpec | str) -> str:
     """Metric key of the task's headline score (the one "% recovered" is computed from)."""
     return get_task(task).headline
+
+
+def recovered_pct(converted: float, teacher: float, metric: str) -> float | None:
+    """% of the original score kept: 100 x converted / teacher, or 100 x teacher / converted for
+    an error metric (so 100 means "as good", below 100 worse, in both cases). None where undefined."""
+    if metric in LOWER_IS_BETTER:
+        return 100.0 * teacher / converted if converted > 0 else None
+    return 100.0 * converted / teacher if teacher > 0 else None
 
 
 def metric_names(task: TaskSpec | str, num_classes: int | None = None) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ from .conversion import convert, is_converted
 from .errors import LunaConvertError
 from .fileio import atomic_write_json
 from .method_specs import get_method
+from .metrics import recovered_pct
 from .serialization import library_versions, save
 
 RESULTS_FILE, CONFIG_FILE, TEACHER_FILE, LOG_FILE = "results.json", "config.json", "teacher.json", "train_log.jsonl"
@@ -407,7 +408,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         "headline_metric": headline,
         "teacher_score": teacher_score,
         "converted_score": converted_score,
-        "recovered_pct": recovered_pct(converted_score, teacher_score),
+        "recovered_pct": recovered_pct(converted_score, teacher_score, headline),
         "teacher_metrics": teacher["metrics"], "converted_metrics": metrics,
         "eval_examples": counted, "truncated_examples": data.truncated, "truncated_by_split": data.truncated_by_split,
         "resolved": config.get("resolved"),
@@ -456,11 +457,6 @@ def _check_convertible(model, method: str, options: dict) -> None:
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             raise ConversionError(f"method {method!r} cannot run with options {options} ({reason}); fix "
                                   "--set method_options... (defaults: `luna-convert methods`)") from None
-
-
-def recovered_pct(converted: float, teacher: float) -> float | None:
-    """100 x converted / teacher; undefined (None) when the teacher scores <= 0."""
-    return 100.0 * converted / teacher if teacher > 0 else None
 
 
 def _logger(accelerator, run_dir: Path):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .errors import LunaConvertError
 from .fileio import atomic_write_text
+from .metrics import LOWER_IS_BETTER
 
 RESULTS_FILE = "results.json"
 
@@ -45,11 +46,12 @@ def build_report(paths: list[Path], output: Path | None = None) -> dict:
                 continue
             row["tasks"][task] = {"teacher": run["teacher_score"], "converted": run["converted_score"],
                                   "recovered_pct": run["recovered_pct"]}
-            teacher.append(run["teacher_score"])
-            converted.append(run["converted_score"])
+            if run.get("headline_metric") not in LOWER_IS_BETTER:  # error metrics do not average with scores
+                teacher.append(run["teacher_score"])
+                converted.append(run["converted_score"])
             if run["recovered_pct"] is not None:
                 ratios.append(run["recovered_pct"])
-        mean_t = sum(teacher) / len(teacher)
+        mean_t = sum(teacher) / len(teacher) if teacher else 0.0
         row["ratio_of_means_pct"] = 100 * (sum(converted) / len(converted)) / mean_t if mean_t > 0 else None
         row["mean_of_ratios_pct"] = sum(ratios) / len(ratios) if ratios else None
         rows.append(row)
