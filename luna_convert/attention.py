@@ -108,9 +108,10 @@ class LinearAttention(nn.Module):
     def features(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.query_features(q), self.key_features(k)
 
-    def stream_chunk(self, batch: int, tokens: int) -> int | None:
-        """Tokens per chunk for the streamed path, or None when all features fit comfortably at once."""
-        if not self.phi_q.stream_long_inputs:
+    def stream_chunk(self, batch: int, tokens: int, training: bool = True) -> int | None:
+        """Tokens per chunk for the streamed path, or None when all features fit comfortably at once
+        (or, when gradients are needed, the map prefers to keep its own saved state)."""
+        if training and not self.phi_q.stream_when_training:
             return None
         per_token = batch * self.num_heads * max(self.feature_dim, self.head_dim) * 4  # float32 bytes
         if per_token * tokens <= self.stream_min_bytes:
@@ -125,11 +126,12 @@ class LinearAttention(nn.Module):
             student = linear_attention_weights(phi_q, phi_k, key_mask, self.eps)
             self.distill_loss = attention_distillation_loss(teacher.detach(), student, key_mask, self.eps)
             return torch.einsum("bhnm,bhmd->bhnd", teacher, v.float()).to(v.dtype)
-        chunk = self.stream_chunk(v.shape[0], v.shape[2]) if v.device.type == "cpu" else None
+        params = [p for m in (self.phi_q, self.phi_k) if m is not None for p in m.parameters()]
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params))
+        chunk = self.stream_chunk(v.shape[0], v.shape[2], training) if v.device.type == "cpu" else None
         if chunk is None:
             out = linear_attention(*self.features(q, k), v, key_mask, self.eps)
         else:
-            params = [p for m in (self.phi_q, self.phi_k) if m is not None for p in m.parameters()]
             out = streamed_linear_attention(q, k, v, self.query_features, self.key_features, params,
                                             key_mask, self.eps, chunk)
         if self.dwc is not None:

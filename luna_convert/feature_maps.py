@@ -7,8 +7,9 @@ features shaped [batch, heads, tokens, D].
 Class attributes tell the attention module how to use a map:
   shared_qk      one map for queries and keys (False: a second copy for keys)
   prescale_query multiply q by head_dim**-0.5 before the map (T2R)
-  stream_long_inputs  long inputs may go through the map in chunks of tokens
-                 (``kernels.streamed_linear_attention``); maps must be token-wise
+  stream_when_training  long inputs go through the map in chunks of tokens
+                 (``kernels.streamed_linear_attention``) at inference always (maps
+                 must be token-wise), and in training too unless this is False
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class FeatureMap(nn.Module, abc.ABC):
     name: str = ""
     shared_qk: bool = True
     prescale_query: bool = False
-    stream_long_inputs: bool = True
+    stream_when_training: bool = True
 
     def __init__(self, head_dim: int, num_heads: int):
         super().__init__()
@@ -157,7 +158,7 @@ class LunaFeatureMap(FeatureMap):
         return self.fast and isinstance(self.psi, ScalarChannels)
 
     @property
-    def stream_long_inputs(self) -> bool:
+    def stream_when_training(self) -> bool:
         # The channel kernel already works in cache-sized chunks and saves little for
         # backward; recomputing it chunk by chunk costs more than it saves (16k tokens,
         # forward + backward: 730 vs 630 ms).

@@ -412,8 +412,33 @@ def test_stream_chunk_policy():
     t2r, luna = make_layer("t2r", 64, 12), make_layer("luna", 64, 12)
     assert t2r.stream_chunk(1, 2048) is None  # 6 MiB of features: the plain path
     assert t2r.stream_chunk(1, 16384) == (4 << 20) // (12 * 64 * 4)  # 48 MiB: 4 MiB chunks
-    assert luna.stream_chunk(1, 16384) is None  # its kernel already works in chunks
+    assert luna.stream_chunk(1, 16384) is None  # training: its kernel already works in chunks
+    assert luna.stream_chunk(1, 16384, training=False) is not None  # inference streams
     assert make_layer("luna", 64, 12, fast=False).stream_chunk(1, 16384) is not None
+
+
+def test_layer_takes_the_streamed_path_only_where_policy_says(monkeypatch):
+    """The layer's forward routes long inputs through kernels.streamed_linear_attention (and agrees with the plain path)."""
+    import luna_convert.attention as attention
+
+    calls = []
+    real = attention.streamed_linear_attention
+    monkeypatch.setattr(attention, "streamed_linear_attention",
+                        lambda *a, **k: calls.append((name, torch.is_grad_enabled(), a[-1])) or real(*a, **k))
+    g = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g) for _ in range(3))
+    for name in ("luna", "t2r"):
+        layer = make_layer(name, 8, 2)
+        layer.stream_min_bytes, layer.stream_chunk_bytes = 1000, 1  # above 1000 bytes: chunks of 16 tokens
+        with torch.no_grad():
+            streamed = layer(q, k, v)
+            layer.stream_min_bytes = 1 << 62
+            torch.testing.assert_close(streamed, layer(q, k, v), rtol=1e-5, atol=1e-6)
+        layer.stream_min_bytes = 1000
+        layer(q, k, v.requires_grad_()).sum().backward()
+        v.requires_grad_(False)
+    # luna and t2r stream at inference, t2r in training too; luna trains on the plain path
+    assert calls == [("luna", False, 16), ("t2r", False, 16), ("t2r", True, 16)]
 
 
 @pytest.mark.parametrize("name", MAPS + ["luna-reference"])
