@@ -7,6 +7,7 @@ import io
 import json
 from pathlib import Path
 
+from .autoconfig import OWN_DATA_TASKS
 from .errors import LunaConvertError
 from .fileio import atomic_write_text
 from .metrics import LOWER_IS_BETTER
@@ -25,6 +26,15 @@ def find_runs(paths: list[Path]) -> list[dict]:
     return runs
 
 
+def task_column(run: dict) -> str:
+    """A benchmark task by its name; a run on the user's own data by its data folder and task,
+    so that two own-data sets of the same kind get two columns."""
+    data_dir = (run.get("config") or {}).get("data_dir")
+    if run["task"] in OWN_DATA_TASKS and data_dir:
+        return f"{Path(str(data_dir).rstrip('/')).name} ({run['task']})"
+    return run["task"]
+
+
 def build_report(paths: list[Path], output: Path | None = None) -> dict:
     """Per (method, task): the latest run's scores; per method: both averages of % recovered.
 
@@ -33,7 +43,7 @@ def build_report(paths: list[Path], output: Path | None = None) -> dict:
     """
     cells: dict[tuple[str, str], dict] = {}
     for run in sorted(find_runs(paths), key=lambda r: r["run_dir"]):
-        cells[(run["method"], run["task"])] = run  # the latest run per cell wins
+        cells[(run["method"], task_column(run))] = run  # the latest run per cell wins
     tasks = sorted({t for _, t in cells})
     methods = sorted({m for m, _ in cells})
     rows = []

@@ -252,20 +252,3 @@ def test_recovered_pct_reads_the_same_way_for_scores_and_errors():
     assert recovered_pct(0.4, 0.5, "mse") == pytest.approx(125.0)
     assert recovered_pct(0.3, 0.0, "matthews_correlation") is None
     assert recovered_pct(0.0, 0.2, "mse") is None
-
-
-def test_report_keeps_error_metrics_out_of_the_ratio_of_means(tmp_path):
-    import json
-
-    from luna_convert.report import build_report
-
-    runs = [("sst2", "accuracy", 0.90, 0.80, 100 * 0.8 / 0.9), ("my-regression", "mse", 0.20, 0.25, 80.0)]
-    for i, (task, metric, teacher, converted, pct) in enumerate(runs):
-        run = tmp_path / f"run{i}"
-        run.mkdir()
-        (run / "results.json").write_text(json.dumps({
-            "method": "luna", "task": task, "headline_metric": metric, "teacher_score": teacher,
-            "converted_score": converted, "recovered_pct": pct, "run_dir": str(run)}))
-    (row,) = build_report([tmp_path])["rows"]
-    assert row["ratio_of_means_pct"] == pytest.approx(100 * 0.8 / 0.9)
-    assert row["mean_of_ratios_pct"] == pytest.approx((100 * 0.8 / 0.9 + 80.0) / 2)
