@@ -11,6 +11,7 @@ Adapters, chosen by class name and attributes (never by module path):
   hf-separate  transformers BERT-family ``*SelfAttention`` and ViT up to 5.7
                (query/key/value; output projection lives in the parent)
   hf-proj      transformers ViT since 5.10 (q_proj/k_proj/v_proj/o_proj)
+  hf-lin       transformers DistilBERT (q_lin/k_lin/v_lin/out_lin), v5 and v4
   timm         timm ``Attention`` (fused qkv, q_norm/k_norm, norm, proj)
 """
 
@@ -172,6 +173,30 @@ class HFProjQKVO(LinearizedAttention):
         return self.o_proj(out), weights
 
 
+class HFLinQKVO(LinearizedAttention):
+    """transformers DistilBERT attention (q_lin/k_lin/v_lin/out_lin). v5 ``DistilBertSelfAttention``:
+    ``(hidden_states, attention_mask)`` -> (output, weights or None); v4 ``MultiHeadSelfAttention``
+    and its SDPA/flash subclasses: ``(query, key, value, mask, head_mask, output_attentions)`` ->
+    ``(output,)`` or ``(output, weights)``."""
+
+    def forward(self, *args, **kwargs):
+        v4 = "mask" in self._original_forward_params
+        first = "query" if v4 else "hidden_states"
+        call = {**dict(zip((first, *self._original_forward_params), args)), **kwargs}
+        hidden_states = call[first]
+        if v4 and any(call.get(name, hidden_states) is not hidden_states for name in ("key", "value")):
+            raise ConversionError("linear attention replaces self-attention only; different key/value inputs were given")
+        d = self.attention_head_size
+        q, k, v = (_heads(proj(hidden_states), d) for proj in (self.q_lin, self.k_lin, self.v_lin))
+        output_attentions = bool(call.get("output_attentions"))
+        out, weights = self._attend(q, k, v, call.get("mask" if v4 else "attention_mask"), call.get("head_mask"),
+                                    output_attentions)
+        out = self.out_lin(out)
+        if v4:
+            return (out, weights) if output_attentions else (out,)
+        return out, weights
+
+
 class TimmFusedQKV(LinearizedAttention):
     """timm ``Attention``: fused qkv, q_norm/k_norm, optional gate and scale-norm."""
 
@@ -270,6 +295,16 @@ ADAPTERS = [
         and not getattr(m, "is_causal", True)
         and _plain_hf_forward(m),
         lambda m: (m.num_attention_heads, m.head_dim, m.scaling),
+    ),
+    Adapter(
+        "hf-lin",
+        HFLinQKVO,
+        lambda m: _has_linears(m, "q_lin", "k_lin", "v_lin", "out_lin")
+        and hasattr(m, "n_heads")
+        and hasattr(m, "attention_head_size")
+        and _is_self_attention(m)
+        and set(_forward_params(type(m), positional=False)) <= _PLAIN_HF_ARGS | {"key", "value", "mask"},
+        lambda m: (m.n_heads, m.attention_head_size, m.attention_head_size**-0.5),
     ),
     Adapter(
         "timm",

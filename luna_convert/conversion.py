@@ -104,8 +104,8 @@ def convert(
         raise ConversionError(
             f"no supported softmax self-attention in {type(model).__name__} (attention classes found: "
             f"{', '.join(found) or 'none'}); supported: bidirectional softmax self-attention with absolute "
-            "positions in transformers BERT-family and ViT models and timm VisionTransformer (causal/decoder, "
-            "cross-attention, rotary and relative-position attention are not)"
+            "positions in transformers BERT-family (DistilBERT too) and ViT models and timm VisionTransformer "
+            "(causal/decoder, cross-attention, rotary and relative-position attention are not)"
         )
 
     # Build every replacement before touching the model, so that bad option values

@@ -7,6 +7,7 @@ after conversion, inside :func:`finetune`.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import shutil
@@ -46,8 +47,21 @@ def forward_logits(model: nn.Module, batch: dict) -> torch.Tensor:
     if "pixel_values" in inputs and not _is_transformers(model):
         out = model(inputs["pixel_values"])
     else:
-        out = model(**inputs)
+        out = model(**accepted_inputs(model, inputs))
     return out if torch.is_tensor(out) else out.logits
+
+
+def accepted_inputs(model: nn.Module, inputs: dict) -> dict:
+    """``inputs`` less the keys the model's forward does not take (e.g. ``token_type_ids`` from a
+    BERT tokenizer for a DistilBERT model, whose v4 forward rejects them)."""
+    inner = getattr(model, "module", model)  # DDP wraps in .module
+    try:
+        params = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return inputs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return inputs
+    return {k: v for k, v in inputs.items() if k in params}
 
 
 def _is_transformers(model: nn.Module) -> bool:

@@ -65,6 +65,20 @@ def make_bert(attn_implementation: str | None = None, num_labels: int = NUM_LABE
     return BertForSequenceClassification(config).eval()
 
 
+def make_distilbert(attn_implementation: str | None = None, num_labels: int = NUM_LABELS):
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    seed_everything()
+    config = DistilBertConfig(
+        dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS, hidden_dim=INTERMEDIATE, vocab_size=VOCAB,
+        max_position_embeddings=64, num_labels=num_labels, initializer_range=INIT_STD, dropout=0.0,
+        attention_dropout=0.0, seq_classif_dropout=0.0,
+    )
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    return DistilBertForSequenceClassification(config).eval()
+
+
 def make_hf_vit(attn_implementation: str | None = None):
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -101,6 +115,7 @@ def make_timm_vit_reg():
 
 ARCHITECTURES = {
     "hf-bert": make_bert,
+    "hf-distilbert": make_distilbert,
     "hf-vit": make_hf_vit,
     "timm-vit": make_timm_vit,
     "timm-vit-reg": make_timm_vit_reg,
@@ -110,7 +125,7 @@ ARCHITECTURES = {
 def example_inputs(arch: str, batch: int = 2, seq: int = 7) -> dict:
     """Deterministic model inputs as keyword arguments (BERT gets a padded batch)."""
     g = torch.Generator().manual_seed(SEED + 1)
-    if arch == "hf-bert":
+    if arch in ("hf-bert", "hf-distilbert"):
         ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
         mask = torch.ones(batch, seq, dtype=torch.long)
         mask[0, seq - 3:] = 0  # first row: 3 pads at the end

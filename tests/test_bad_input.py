@@ -60,11 +60,11 @@ def world(tmp_path_factory):
     no_tokenizer = shutil.copytree(w["bert"], root / "no-tokenizer")
     for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json"):
         (no_tokenizer / name).unlink(missing_ok=True)
-    distil = transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(
-        dim=32, n_layers=1, n_heads=4, hidden_dim=64, vocab_size=30, max_position_embeddings=64))
-    distil.save_pretrained(root / "distilbert")
+    decoder = transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
+        n_embd=32, n_layer=1, n_head=4, vocab_size=30, n_positions=64, pad_token_id=0))
+    decoder.save_pretrained(root / "gpt2")
     tokenizer = transformers.AutoTokenizer.from_pretrained(w["bert"])
-    tokenizer.save_pretrained(root / "distilbert")
+    tokenizer.save_pretrained(root / "gpt2")
     model = transformers.BertForSequenceClassification.from_pretrained(w["bert"])
     convert(model, "t2r")
     save(model, root / "converted", tokenizer=tokenizer, extra={"task": "sst2"})
@@ -80,7 +80,7 @@ def world(tmp_path_factory):
     (root / "foreign").mkdir()
     (root / "foreign" / "notes.txt").write_text("my notes\n")
     return {**w, "empty": root / "empty", "file": root / "a-file.txt", "wrong": wrong, "bad_train": bad_train,
-            "three": three, "no_tokenizer": no_tokenizer, "distil": root / "distilbert",
+            "three": three, "no_tokenizer": no_tokenizer, "decoder": root / "gpt2",
             "converted": root / "converted", "unfinished": unfinished, "finished": finished,
             "foreign": root / "foreign"}
 
@@ -119,8 +119,8 @@ RUN_CASES = [
     ("more image classes than the model", lambda w, o: run_args(w["vit"], w["images4"], o,
                                                                 task="image-classification"),
      "the data has 4 classes"),
-    ("no supported attention", lambda w, o: run_args(w["distil"], w["sst2"], o),
-     "no supported softmax self-attention in DistilBertForSequenceClassification"),
+    ("no supported attention", lambda w, o: run_args(w["decoder"], w["sst2"], o),
+     "no supported softmax self-attention in GPT2ForSequenceClassification"),
     ("truncated safetensors", lambda w, o: run_args(w["truncated"], w["sst2"], o), "is truncated or corrupt"),
     ("garbage safetensors", lambda w, o: run_args(w["garbage"], w["sst2"], o), "is truncated or corrupt"),
     ("model folder without tokenizer", lambda w, o: run_args(w["no_tokenizer"], w["sst2"], o),

@@ -15,7 +15,8 @@ from luna_convert.conversion import CONFIG_ATTR, convert, feature_map_parameters
 from luna_convert.errors import ConversionError, LunaConvertError, UnknownNameError
 from luna_convert.method_specs import METHODS as METHOD_SPECS
 
-from conftest import ARCHITECTURES, HEADS, HIDDEN, LAYERS, VOCAB, example_inputs, logits_of, make_bert
+from conftest import (ARCHITECTURES, HEADS, HIDDEN, LAYERS, VOCAB, example_inputs, logits_of, make_bert,
+                      make_distilbert)
 
 METHODS = sorted(METHOD_SPECS)
 ARCHS = sorted(ARCHITECTURES)
@@ -58,7 +59,8 @@ def test_every_attention_replaced_and_weights_kept(arch, method):
         assert torch.equal(after[key], tensor), key
     projections = [k for k in before if any(p in k for p in ("query.", "key.", "value.", "q_proj.", "k_proj.",
                                                               "v_proj.", "o_proj.", "qkv.", "attn.proj.",
-                                                              "attention.output.dense."))]
+                                                              "attention.output.dense.", "q_lin.", "k_lin.",
+                                                              "v_lin.", "out_lin."))]
     assert len(projections) >= 4 * LAYERS  # the projections were part of the comparison
     # New parameters live only under the added linear_attn submodules.
     added = set(after) - set(before)
@@ -121,15 +123,16 @@ def test_training_step_reaches_original_and_new_weights(arch):
     logits_of(model, example_inputs(arch)).logsumexp(-1).sum().backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert any(g is not None and bool(g.abs().sum() > 0) for n, g in grads.items() if ".linear_attn." in n)
-    qkv = [g for n, g in grads.items() if n.endswith(("query.weight", "q_proj.weight", "qkv.weight"))]
+    qkv = [g for n, g in grads.items() if n.endswith(("query.weight", "q_proj.weight", "qkv.weight", "q_lin.weight"))]
     assert qkv and all(g is not None and bool(g.abs().sum() > 0) for g in qkv)
 
 
 # ---------------------------------------------------------------- padding (BERT)
+@pytest.mark.parametrize("make", [make_bert, make_distilbert], ids=["bert", "distilbert"])
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("method", METHODS)
-def test_bert_padding_invariance(method, attn_implementation):
-    model = make_bert(attn_implementation)
+def test_bert_padding_invariance(method, attn_implementation, make):
+    model = make(attn_implementation)
     convert(model, method, **({"dwc": True} if method != "luna" else {}))
     randomize_dwc(model)
     g = torch.Generator().manual_seed(3)
@@ -162,7 +165,7 @@ def test_bert_padding_changes_output_without_mask():
 
 
 # ----------------------------------------------------------- output_attentions
-@pytest.mark.parametrize("arch", ["hf-bert", "hf-vit"])
+@pytest.mark.parametrize("arch", ["hf-bert", "hf-distilbert", "hf-vit"])
 def test_output_attentions_still_runs(arch):
     _, model, _ = converted(arch, "t2r")
     inputs = example_inputs(arch)
@@ -170,11 +173,12 @@ def test_output_attentions_still_runs(arch):
         out = model(**inputs, output_attentions=True)
     assert bool(torch.isfinite(out.logits).all())
     attentions = [a for a in (out.attentions or ()) if a is not None]
-    n = inputs["attention_mask"].shape[1] if arch == "hf-bert" else 1 + (32 // 8) ** 2
+    text = arch != "hf-vit"
+    n = inputs["attention_mask"].shape[1] if text else 1 + (32 // 8) ** 2
     for a in attentions:  # where the library passes them on: the explicit linear attention rows
         assert a.shape == (2, HEADS, n, n)
         torch.testing.assert_close(a.sum(-1), torch.ones(2, HEADS, n), atol=1e-4, rtol=0)
-        if arch == "hf-bert":  # pad keys get no weight
+        if text:  # pad keys get no weight
             assert torch.all(a[0, :, :, -3:] == 0)
 
 
