@@ -469,7 +469,7 @@ class _StreamedLinearAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask, eps, chunk, phi_q, phi_k, *params):
-        b, h, n, d = v.shape
+        n = v.shape[2]
         keep = None if key_mask is None else key_mask[:, None, :, None]
         kv = z = None
         for c in _token_chunks(n, chunk):
