@@ -148,26 +148,6 @@ def _seeded():
     yield
 
 
-@pytest.fixture
-def bert():
-    return make_bert()
-
-
-@pytest.fixture
-def hf_vit():
-    return make_hf_vit()
-
-
-@pytest.fixture
-def timm_vit():
-    return make_timm_vit()
-
-
-@pytest.fixture
-def timm_vit_reg():
-    return make_timm_vit_reg()
-
-
 @pytest.fixture(params=sorted(ARCHITECTURES))
 def arch(request) -> str:
     return request.param

@@ -260,12 +260,18 @@ def test_relu_maps_with_dead_features_stay_finite(name):
 
 
 # ------------------------------------------------------------------------- DWC
-def test_dwc_text_branch_zeroes_pads():
-    g = torch.Generator().manual_seed(8)
-    dwc = DepthwiseConvBranch(4, kernel_size=3, spatial=False)
+def random_dwc(g: torch.Generator, spatial: bool) -> DepthwiseConvBranch:
+    """A 3-tap (3 x 3) branch over 4 channels with random weights (it is zero-initialised)."""
+    dwc = DepthwiseConvBranch(4, kernel_size=3, spatial=spatial)
     with torch.no_grad():
         dwc.conv.weight.normal_(generator=g)
         dwc.conv.bias.normal_(generator=g)
+    return dwc
+
+
+def test_dwc_text_branch_zeroes_pads():
+    g = torch.Generator().manual_seed(8)
+    dwc = random_dwc(g, spatial=False)
     v = torch.randn(2, 2, 5, 4, generator=g)
     mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
     out = dwc(v, mask)
@@ -281,10 +287,7 @@ def test_dwc_text_branch_zeroes_pads():
 
 def test_dwc_spatial_branch_skips_prefix_tokens():
     g = torch.Generator().manual_seed(9)
-    dwc = DepthwiseConvBranch(4, kernel_size=3, spatial=True)
-    with torch.no_grad():
-        dwc.conv.weight.normal_(generator=g)
-        dwc.conv.bias.normal_(generator=g)
+    dwc = random_dwc(g, spatial=True)
     prefix, gh, gw = 3, 2, 3
     v = torch.randn(1, 2, prefix + gh * gw, 4, generator=g)
     out = dwc(v, grid=(gh, gw), num_prefix=prefix)
@@ -375,10 +378,7 @@ def test_hedgehog_at_init_approximates_peaked_softmax_better_than_t2r():
 @pytest.mark.parametrize("spatial", [False, True])
 def test_dwc_branch_gradients_match_torch_conv_and_keep_dtype(spatial):
     g = torch.Generator().manual_seed(11)
-    dwc = DepthwiseConvBranch(4, kernel_size=3, spatial=spatial)
-    with torch.no_grad():
-        dwc.conv.weight.normal_(generator=g)
-        dwc.conv.bias.normal_(generator=g)
+    dwc = random_dwc(g, spatial=spatial)
     v = torch.randn(2, 3, 9, 4, generator=g, requires_grad=True)
     kwargs = {"grid": (3, 3)} if spatial else {}
     out = dwc(v, **kwargs)
