@@ -325,8 +325,10 @@ class _LinearAttentionCore(torch.autograd.Function):
 
     A hand-written backward: autograd's version of the division and the slicing
     makes several extra full passes over [N, d] tensors, which at long N run
-    at memory speed and cost more than the matrix products. Every gradient
-    comes back contiguous.
+    at memory speed and cost more than the matrix products. It does not keep
+    the output: grad_out . out, the one place it enters, equals
+    (grad_out r S^T) . phi_q, and that product is a piece of phi_q's gradient
+    anyway. Every gradient comes back contiguous.
     """
 
     @staticmethod
@@ -335,25 +337,23 @@ class _LinearAttentionCore(torch.autograd.Function):
         z = phi_k.sum(dim=-2, keepdim=True)  # [B, H, 1, D]
         r = torch.matmul(phi_q, z.transpose(-1, -2)).add_(eps).reciprocal_()  # 1 / (phi_q z + eps) [B, H, N, 1]
         out = torch.matmul(phi_q, kv_t.transpose(-1, -2)).mul_(r)  # [B, H, N, d]
-        ctx.save_for_backward(phi_q, phi_k, v, torch.cat([kv_t, z], -2), out, r)
+        ctx.save_for_backward(phi_q, phi_k, v, kv_t, z, r)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        phi_q, phi_k, v, a, out, r = ctx.saved_tensors
-        d = v.shape[-1]
-        grad_nd = torch.empty((*out.shape[:-1], d + 1), dtype=out.dtype, device=out.device)
-        torch.mul(grad_out, r, out=grad_nd[..., :d])
-        # d out / d den = -num r^2 = -out r
-        torch.linalg.vecdot(grad_out, out, out=grad_nd[..., d])
-        grad_nd[..., d:].mul_(r).neg_()
-        grad_q = torch.matmul(grad_nd, a) if ctx.needs_input_grad[0] else None  # [B, H, N, D]
-        grad_a = torch.matmul(grad_nd.transpose(-1, -2), phi_q)  # [B, H, d+1, D]
-        grad_kv_t, grad_z = grad_a[..., :d, :], grad_a[..., d:, :]
+        phi_q, phi_k, v, kv_t, z, r = ctx.saved_tensors
+        grad_num = grad_out * r  # d loss / d (phi_q S)   [B, H, N, d]
+        grad_q = torch.matmul(grad_num, kv_t)  # its part of phi_q's gradient   [B, H, N, D]
+        # d loss / d (phi_q z) = -(grad_out . out) r, and grad_out . out = (grad_num S^T) . phi_q
+        grad_den = torch.linalg.vecdot(grad_q, phi_q).unsqueeze_(-1).mul_(r).neg_()  # [B, H, N, 1]
+        grad_q.addcmul_(grad_den, z)
+        grad_kv_t = torch.matmul(grad_num.transpose(-1, -2), phi_q)  # [B, H, d, D]
+        grad_z = torch.matmul(grad_den.transpose(-1, -2), phi_q)  # [B, H, 1, D]
         grad_k = torch.matmul(v, grad_kv_t).add_(grad_z) if ctx.needs_input_grad[1] else None
         grad_v = torch.matmul(phi_k, grad_kv_t.transpose(-1, -2)) if ctx.needs_input_grad[2] else None
-        return grad_q, grad_k, grad_v, None
+        return grad_q if ctx.needs_input_grad[0] else None, grad_k, grad_v, None
 
 
 def linear_attention_core(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
