@@ -91,7 +91,8 @@ class LinearAttention(nn.Module):
         # On the CPU, long inputs stream tokens in chunks (kernels.streamed_linear_attention)
         # once the float32 features of all tokens would exceed stream_min_bytes: glibc maps
         # buffers over 32 MiB fresh from the OS on every call, and faulting their pages in
-        # cost as much as the arithmetic (bench: 1.6-2x at 16k tokens). Same result.
+        # cost as much as the arithmetic (16k tokens, forward: T2R 1.8x, Hedgehog 2.2x
+        # faster streamed; docs/benchmarks.md). Same values and gradients.
         self.stream_min_bytes, self.stream_chunk_bytes = 32 << 20, 4 << 20
         self.distill_loss: torch.Tensor | None = None
 
@@ -127,8 +128,8 @@ class LinearAttention(nn.Module):
             self.distill_loss = attention_distillation_loss(teacher.detach(), student, key_mask, self.eps)
             return torch.einsum("bhnm,bhmd->bhnd", teacher, v.float()).to(v.dtype)
         params = [p for m in (self.phi_q, self.phi_k) if m is not None for p in m.parameters()]
-        training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params))
-        chunk = self.stream_chunk(v.shape[0], v.shape[2], training) if v.device.type == "cpu" else None
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params))
+        chunk = self.stream_chunk(v.shape[0], v.shape[2], needs_grad) if v.device.type == "cpu" else None
         if chunk is None:
             out = linear_attention(*self.features(q, k), v, key_mask, self.eps)
         else:

@@ -39,7 +39,6 @@ Heavy imports (torch, transformers, matplotlib, rich) happen inside functions.
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 import platform
@@ -545,7 +544,7 @@ def markdown_tables(results: dict) -> str:
                 lines.append(f"| {n} | " + " | ".join(cells) + " |")
             slope_key = key.replace("_ms", "")
             cells = [f"{s:.2f}" if (s := layers["slopes"][m].get(slope_key)) is not None else "-" for m in methods]
-            lines += [f"| log-log slope | " + " | ".join(cells) + " |", ""]
+            lines += ["| log-log slope | " + " | ".join(cells) + " |", ""]
         if any("fwd_bwd_peak_mb" in r for r in layers["results"]):
             lines += ["**Attention layer, peak tensor memory: forward / forward + backward, MiB**", "",
                       "| N | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
