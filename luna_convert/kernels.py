@@ -258,13 +258,12 @@ class _TableScope:
     def leaves(self) -> list[torch.Tensor]:
         return [leaf for _, leaves, _ in self.entries.values() for leaf in leaves]
 
-    def get(self, psi, compute, scale, device, build):
+    def get(self, psi, compute, scale, device):
         key = (id(psi), compute, scale, device)
         if key not in self.entries:
-            knots, slope, intercept = build()
-            tables = (slope.to(compute).contiguous(), intercept.to(compute).contiguous())
-            leaves = tuple(t.detach().requires_grad_() for t in tables)
-            self.entries[key] = (tables, leaves, (*leaves, _Locator(knots.to(compute), use_grid=device.type == "cpu")))
+            slope, intercept, locate = _build_prepared(psi, compute, scale, device)
+            leaves = (slope.detach().requires_grad_(), intercept.detach().requires_grad_())
+            self.entries[key] = ((slope, intercept), leaves, (*leaves, locate))
         return self.entries[key][2]
 
     def pullback(self, leaf_grads: dict, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -283,24 +282,28 @@ class _TableScope:
 _TABLE_SCOPE: _TableScope | None = None
 
 
+def _build_prepared(psi, compute: torch.dtype, scale: float, device: torch.device):
+    """(slope, intercept, locator) in ``compute`` dtype, built now (differentiable when recording)."""
+    table_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+    knots, slope, intercept = channel_tables(psi, table_dtype, scale)
+    return (slope.to(compute).contiguous(), intercept.to(compute).contiguous(),
+            _Locator(knots.to(compute), use_grid=device.type == "cpu"))
+
+
 def _prepared(psi, compute: torch.dtype, scale: float, device: torch.device):
     """(slope, intercept, locator) in ``compute`` dtype, from the cache when that is safe."""
     params = (psi.w1, psi.b1, psi.w2, psi.b2)
     recording = torch.is_grad_enabled() and any(p.requires_grad for p in params)
-    table_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-    if recording and _TABLE_SCOPE is not None:
-        return _TABLE_SCOPE.get(psi, compute, scale, device, lambda: channel_tables(psi, table_dtype, scale))
+    if recording:
+        if _TABLE_SCOPE is not None:
+            return _TABLE_SCOPE.get(psi, compute, scale, device)
+        return _build_prepared(psi, compute, scale, device)
     key = (compute, scale, device, tuple((p.data_ptr(), p._version, p.dtype) for p in params))
-    if not recording:
-        hit = _TABLE_CACHE.get(psi)
-        if hit is not None and hit[0] == key and all(a is b for a, b in zip(hit[1], params)):
-            return hit[2]
-    knots, slope, intercept = channel_tables(psi, table_dtype, scale)
-    knots = knots.to(compute)
-    prepared = (slope.to(compute).contiguous(), intercept.to(compute).contiguous(),
-                _Locator(knots, use_grid=device.type == "cpu"))
-    if not recording:
-        _TABLE_CACHE[psi] = (key, params, prepared)
+    hit = _TABLE_CACHE.get(psi)
+    if hit is not None and hit[0] == key and all(a is b for a, b in zip(hit[1], params)):
+        return hit[2]
+    prepared = _build_prepared(psi, compute, scale, device)
+    _TABLE_CACHE[psi] = (key, params, prepared)
     return prepared
 
 
@@ -454,6 +457,12 @@ def _token_chunks(n: int, chunk: int):
     return [slice(s, min(s + chunk, n)) for s in range(0, n, chunk)]
 
 
+def _chunk_features(phi, x: torch.Tensor, rows: slice, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 phi(x[:, :, rows]), rows of pad keys zeroed where ``keep`` ([B, 1, N, 1] bool) says so."""
+    feats = phi(x[:, :, rows]).float()
+    return feats if keep is None else feats * keep[:, :, rows].to(feats.dtype)
+
+
 class _StreamedLinearAttention(torch.autograd.Function):
     """Linear attention that never holds phi(q) or phi(k) for all tokens at once.
 
@@ -473,15 +482,13 @@ class _StreamedLinearAttention(torch.autograd.Function):
         keep = None if key_mask is None else key_mask[:, None, :, None]
         kv = z = None
         for c in _token_chunks(n, chunk):
-            pk = phi_k(k[:, :, c]).float()
-            if keep is not None:
-                pk = pk * keep[:, :, c].to(pk.dtype)
+            pk = _chunk_features(phi_k, k, c, keep)
             part = torch.matmul(pk.transpose(-1, -2), v[:, :, c].float())  # [B, H, D, d]
             kv = part if kv is None else kv.add_(part)
             z = pk.sum(-2) if z is None else z.add_(pk.sum(-2))  # [B, H, D]
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         for c in _token_chunks(n, chunk):
-            pq = phi_q(q[:, :, c]).float()
+            pq = _chunk_features(phi_q, q, c)
             r = torch.matmul(pq, z[..., None]).add_(eps).reciprocal_()
             out[:, :, c] = torch.matmul(pq, kv).mul_(r)
         device_type = v.device.type
@@ -520,9 +527,7 @@ class _StreamedLinearAttention(torch.autograd.Function):
             """phi(x[rows]) recomputed with a graph back to x's rows (if needed) and the parameters."""
             xc = x[:, :, rows].detach().requires_grad_(need_x)
             with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
-                feats = phi(xc).float()
-                if masked and keep is not None:
-                    feats = feats * keep[:, :, rows].to(feats.dtype)
+                feats = _chunk_features(phi, xc, slice(None), keep[:, :, rows] if masked and keep is not None else None)
             return xc, feats
 
         def pull(feats, xc, need_x, grad_feats, grad_x, rows):
