@@ -52,6 +52,18 @@ class FeatureMap(nn.Module, abc.ABC):
 
 
 # --------------------------------------------------------------------------- LUNA
+# channel_init "exp": the channels interpolate exp(c u) on [-EXP_INIT_SPAN, EXP_INIT_SPAN].
+EXP_INIT_SPAN = 4.0
+
+
+def exp_rates(channels: int) -> torch.Tensor:
+    """Rates c_l of the exponential channel init: +-0.5, +-1, +-1.5, ... (pairs of opposite sign,
+    as Hedgehog's [exp(z), exp(-z)]), so the bank holds several temperatures of both directions."""
+    magnitude = 0.5 * (torch.arange(channels, dtype=torch.float64) // 2 + 1)
+    sign = 1.0 - 2.0 * (torch.arange(channels) % 2)
+    return magnitude * sign
+
+
 class ScalarChannels(nn.Module):
     """A bank of L learned scalar functions psi_l: R -> R_{>=0}.
 
@@ -64,7 +76,7 @@ class ScalarChannels(nn.Module):
     is the plain reference.
     """
 
-    def __init__(self, channels: int, hidden: int, shared: bool = False):
+    def __init__(self, channels: int, hidden: int, shared: bool = False, init: str = "random"):
         super().__init__()
         self.channels, self.hidden, self.shared = channels, hidden, shared
         rows = 1 if shared else channels
@@ -74,6 +86,37 @@ class ScalarChannels(nn.Module):
         bound = 1.0 / math.sqrt(hidden)
         self.w2 = nn.Parameter(torch.empty(channels, hidden).uniform_(-bound, bound))
         self.b2 = nn.Parameter(torch.empty(channels).uniform_(-bound, bound))
+        if init == "exp":
+            if shared:
+                raise ValueError("channel_init 'exp' needs one hidden layer per channel (shared_channels false)")
+            self.init_exponential()
+        elif init != "random":
+            raise ValueError(f"unknown channel_init {init!r}; choose 'random' or 'exp'")
+
+    @torch.no_grad()
+    def init_exponential(self, span: float = EXP_INIT_SPAN) -> None:
+        """Each channel the piecewise-linear interpolant of exp(c_l * u) on [-span, span].
+
+        The rates c_l alternate in sign and grow in size over the channels
+        (``exp_rates``): softmax's exponential is a special case of the bank
+        (LUNA paper, Sec. 1), so a converted model starts from exponential
+        features rather than random ones. Knots sit at ``hidden`` evenly spaced
+        points; below the first knot the channel is constant, above the last it
+        continues with the last slope.
+        """
+        rates = exp_rates(self.channels).to(self.w1)
+        knots = torch.linspace(-span, span, self.hidden).to(self.w1)  # [hidden]
+        for l, c in enumerate(rates.tolist()):
+            sign = 1.0 if c > 0 else -1.0
+            # v = sign * u is the variable in which exp(|c| v) increases; unit j is relu(v - t_j).
+            target = torch.exp(abs(c) * knots)  # values at the knots, in v
+            slopes = (target[1:] - target[:-1]) / (knots[1:] - knots[:-1])  # [hidden - 1]
+            self.w1[l] = sign
+            self.b1[l] = -knots
+            self.w2[l, 0] = slopes[0]
+            self.w2[l, 1:-1] = slopes[1:] - slopes[:-1]
+            self.w2[l, -1] = 0.0
+            self.b2[l] = target[0]
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         """u: [..., M] -> [..., M, L]"""
@@ -120,8 +163,11 @@ CHANNEL_BANKS = {"mlp": ScalarChannels, "fourier": FixedFourierChannels, "bank":
 class LunaFeatureMap(FeatureMap):
     """phi(x) = h(x)/sqrt(M) * [psi_l(w_i^T x + b_i)]_{i<=M, l<=L}  (LUNA, Eq. 11).
 
-    W and b are shared across heads (as in the paper's listing); one map for
-    q and k so the kernel stays positive definite.
+    W and b are shared across heads (as in the paper's listing) unless
+    ``per_head_projections`` (a derived option: one W, b per head, as Hedgehog
+    has one Linear per head); one map for q and k so the kernel stays positive
+    definite. ``channel_init`` "exp" starts the channel bank at exponentials
+    (see ``ScalarChannels.init_exponential``), "random" at the MLP default.
     """
 
     def __init__(
@@ -134,18 +180,39 @@ class LunaFeatureMap(FeatureMap):
         shared_channels: bool = False,
         envelope: bool = False,
         channel_bank: str = "mlp",
+        channel_init: str = "random",
+        per_head_projections: bool = False,
+        projection_init: str = "random",
         fast: bool = True,
     ):
         super().__init__(head_dim, num_heads)
         if channel_bank not in CHANNEL_BANKS:
             raise ValueError(f"unknown channel_bank {channel_bank!r}; choose one of {sorted(CHANNEL_BANKS)}")
+        if channel_init != "random" and channel_bank != "mlp":
+            raise ValueError(f"channel_init {channel_init!r} applies to channel_bank 'mlp' only")
+        if projection_init not in ("random", "identity"):
+            raise ValueError(f"unknown projection_init {projection_init!r}; choose 'random' or 'identity'")
+        if projection_init == "identity" and projections != head_dim:
+            raise ValueError(f"projection_init 'identity' needs projections == head_dim ({head_dim}), got {projections}")
         self.projections, self.channels, self.fast = projections, channels, fast
-        self.proj = nn.Linear(head_dim, projections)
-        nn.init.normal_(self.proj.weight, std=head_dim**-0.5)
-        nn.init.zeros_(self.proj.bias)
+        if per_head_projections:
+            # [H, d, M] and [H, 1, M]: u = x W_h + b_h per head; same init as the shared Linear.
+            self.proj = None
+            self.head_proj_weight = nn.Parameter(torch.randn(num_heads, head_dim, projections) * head_dim**-0.5)
+            self.head_proj_bias = nn.Parameter(torch.zeros(num_heads, 1, projections))
+        else:
+            self.proj = nn.Linear(head_dim, projections)
+            nn.init.normal_(self.proj.weight, std=head_dim**-0.5)
+            nn.init.zeros_(self.proj.bias)
+        if projection_init == "identity":  # u = x: each projection reads one coordinate, as Hedgehog's W = I
+            with torch.no_grad():
+                if self.proj is None:
+                    self.head_proj_weight.copy_(torch.eye(head_dim).expand(num_heads, -1, -1))
+                else:
+                    self.proj.weight.copy_(torch.eye(head_dim))
         bank = CHANNEL_BANKS[channel_bank]
-        self.psi = bank(channels=channels, hidden=hidden, shared=shared_channels) if bank is ScalarChannels \
-            else bank(channels=channels)
+        self.psi = bank(channels=channels, hidden=hidden, shared=shared_channels, init=channel_init) \
+            if bank is ScalarChannels else bank(channels=channels)
         # Envelope h(x) in [0, 1]^L, one gate per channel, from the token itself.
         self.envelope = nn.Linear(head_dim, channels) if envelope else None
 
@@ -164,8 +231,14 @@ class LunaFeatureMap(FeatureMap):
         # forward + backward: 730 vs 630 ms).
         return not self.uses_kernel
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """u = W x + b: [B, H, N, d] -> [B, H, N, M]."""
+        if self.proj is not None:
+            return self.proj(x)
+        return torch.matmul(x, self.head_proj_weight) + self.head_proj_bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        u = self.proj(x)  # [B, H, N, M]
+        u = self.project(x)  # [B, H, N, M]
         if self.uses_kernel:
             from .kernels import scalar_channels
 

@@ -21,6 +21,10 @@ from .metrics import recovered_pct
 from .serialization import library_versions, save
 
 RESULTS_FILE, CONFIG_FILE, TEACHER_FILE, LOG_FILE = "results.json", "config.json", "teacher.json", "train_log.jsonl"
+# The control run of `compare`: the original model finetuned unconverted with the same budget, so that
+# "% recovered" can be read against what the extra training alone does to the teacher.
+CONTROL_METHOD = "softmax"
+STAGES_FILE = "stage_scores.json"  # headline score right after conversion and after distillation
 MODEL_DIR, DISTILLED_DIR = "model", "checkpoints/distilled"
 EXTRA_EVAL_SPLITS = {"mnli": ("validation_mismatched",)}
 
@@ -49,7 +53,7 @@ def new_run_dir(config: dict) -> Path:
 
 
 # What a run writes into its folder: removed (only these) before --overwrite reuses a folder.
-RUN_ARTEFACTS = (RESULTS_FILE, CONFIG_FILE, TEACHER_FILE, LOG_FILE, "trainer_state.json", MODEL_DIR, "checkpoints")
+RUN_ARTEFACTS = (RESULTS_FILE, CONFIG_FILE, TEACHER_FILE, LOG_FILE, STAGES_FILE, "trainer_state.json", MODEL_DIR, "checkpoints")
 
 
 def _check_replaceable(run_dir: Path) -> None:
@@ -140,7 +144,8 @@ def validate(config: dict) -> None:
                                "or --data-dir with your own data")
     if config.get("task"):
         get_task(config["task"])
-    get_method(config["method"])
+    if config["method"] != CONTROL_METHOD:
+        get_method(config["method"])
     t = config["train"]
     for key in ("batch_size", "eval_batch_size", "grad_accum"):
         if not isinstance(t[key], int) or t[key] < 1:
@@ -171,6 +176,9 @@ def _validate_ranges(config: dict) -> None:
          "a whole number of steps (0: no intermediate checkpoints)"),
         ("train.warmup_ratio", t["warmup_ratio"], is_num(t["warmup_ratio"]) and 0 <= t["warmup_ratio"] < 1,
          "a fraction in [0, 1)"),
+        ("train.added_lr", t["added_lr"], t["added_lr"] is None or is_num(t["added_lr"]) and t["added_lr"] > 0,
+         "positive, or null (train.lr)"),
+        ("train.score_stages", t["score_stages"], isinstance(t["score_stages"], bool), "true or false"),
         ("train.weight_decay", t["weight_decay"], is_num(t["weight_decay"]) and t["weight_decay"] >= 0, "0 or more"),
         ("train.max_grad_norm", t["max_grad_norm"], t["max_grad_norm"] is None or is_num(t["max_grad_norm"])
          and t["max_grad_norm"] >= 0, "0 or more (0 or null: no clipping)"),
@@ -195,6 +203,8 @@ def _validate_ranges(config: dict) -> None:
 
 def distill_steps(config: dict) -> int:
     steps = config["distill"]["steps"]
+    if config["method"] == CONTROL_METHOD:
+        return 0
     if steps is None:
         steps = config["distill"]["default_steps"] if get_method(config["method"]).distill else 0
     return int(steps)
@@ -332,7 +342,9 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         task = task_for(config)
     if is_converted(loaded.model):
         raise LunaConvertError(f"{config['model']} is already converted to linear attention; start from the original")
-    _check_convertible(loaded.model, config["method"], config["method_options"])
+    control = config["method"] == CONTROL_METHOD
+    if not control:
+        _check_convertible(loaded.model, config["method"], config["method_options"])
     data = TaskData(config, loaded, task)
     eval_loaders = data.eval_loaders()
     train_loader = data.train_loader()  # read before the run folder appears: bad train data fails first
@@ -369,9 +381,33 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         _forget_after_checkpoint(run_dir, state["step"] if state and state["stage"] == "finetune" else 0,
                                  distilled is not None)
     set_seed(config["seed"])
-    report = convert(model, config["method"], **config["method_options"])
-    model.to(accelerator.device)
-    say(f"converted {len(report.modules)} attention modules to {config['method']} (+{report.params_added:,} parameters)")
+    if control:
+        report = None
+        say("control run: the original softmax model is finetuned with the same budget, unconverted")
+    else:
+        report = convert(model, config["method"], **config["method_options"])
+        model.to(accelerator.device)
+        say(f"converted {len(report.modules)} attention modules to {config['method']} "
+            f"(+{report.params_added:,} parameters)")
+    stage_scores = _read_json(run_dir / STAGES_FILE, "stage scores") if (run_dir / STAGES_FILE).is_file() else {}
+
+    def score_stage(name: str) -> None:
+        """The headline score of the model as it is now, once per run (kept across resumes)."""
+        if not config["train"]["score_stages"] or name in stage_scores:
+            return
+        import torch
+
+        # Scoring must not move the run's RNG stream: a resumed run skips it.
+        devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            stage_metrics, _ = score(accelerator, model, eval_loaders, task)
+        stage_scores[name] = stage_metrics[headline]
+        say(f"{name.replace('_', ' ')} {headline}: {stage_scores[name]:.4f}")
+        if accelerator.is_main_process:
+            atomic_write_json(run_dir / STAGES_FILE, stage_scores)
+
+    if not control:
+        score_stage("after_conversion")
     if n_distill and distilled is not None:
         from safetensors.torch import load_model as load_weights
 
@@ -386,6 +422,8 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
             save(model, distilled_dir, overwrite=True,
                  extra={"distill_stage": {"steps": stage.steps, "seconds": stage.seconds}})
         accelerator.wait_for_everyone()
+    if n_distill:
+        score_stage("after_distillation")
 
     # 4. Finetune on the task.
     t = config["train"]
@@ -394,7 +432,8 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     set_seed(config["seed"] + 1)
     model, stage = finetune(accelerator, model, train_loader, steps=total, lr=t["lr"], weight_decay=t["weight_decay"],
                             schedule=t["schedule"], warmup_ratio=t["warmup_ratio"], max_grad_norm=t["max_grad_norm"],
-                            run_dir=run_dir, checkpoint_every=t["checkpoint_every"], start_step=start, log=log)
+                            run_dir=run_dir, checkpoint_every=t["checkpoint_every"], start_step=start, log=log,
+                            added_lr=t["added_lr"])
     timings["finetune_s"] = stage.seconds
 
     # 5. The converted score, 6. save.
@@ -409,13 +448,14 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         "teacher_score": teacher_score,
         "converted_score": converted_score,
         "recovered_pct": recovered_pct(converted_score, teacher_score, headline),
+        "stage_scores": {**stage_scores, "final": converted_score},
         "teacher_metrics": teacher["metrics"], "converted_metrics": metrics,
         "eval_examples": counted, "truncated_examples": data.truncated, "truncated_by_split": data.truncated_by_split,
         "resolved": config.get("resolved"),
         "steps": {"distill": n_distill, "finetune": stage.steps},
         "final_loss": stage.final_loss, "timings": timings, "seed": config["seed"],
         "num_processes": accelerator.num_processes, "device": str(accelerator.device),
-        "conversion": report.to_dict(), "config": config, "versions": library_versions(),
+        "conversion": report.to_dict() if report else None, "config": config, "versions": library_versions(),
         "run_dir": str(run_dir),
     }
     accelerator.wait_for_everyone()

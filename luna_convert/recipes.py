@@ -30,6 +30,7 @@ DEFAULTS: dict = {
     "output_dir": "outputs",
     "train": {
         "lr": 2e-5,
+        "added_lr": None,  # learning rate of what conversion added (feature maps, DWC); null: train.lr
         "weight_decay": 0.01,
         "schedule": "linear",  # linear | cosine | constant
         "warmup_ratio": 0.06,
@@ -46,6 +47,7 @@ DEFAULTS: dict = {
         "augment": True,  # light train-time augmentation for images
         "max_train_examples": None,
         "max_eval_examples": None,
+        "score_stages": True,  # also score right after conversion and after distillation
     },
     "distill": {
         "steps": None,  # None: the method's recipe (default_steps if it distils, else 0)

@@ -233,6 +233,18 @@ def _load_latest(accelerator, run_dir: Path) -> None:
     accelerator.load_state(str(run_dir / "checkpoints" / state["checkpoint"]))
 
 
+def parameter_groups(model: nn.Module, lr: float, weight_decay: float, added_lr: float | None = None) -> list[dict]:
+    """AdamW groups: weight decay on matrices only; what conversion added at ``added_lr`` (None: ``lr``)."""
+    added = {id(p) for layer in linear_attention_modules(model) for p in layer.parameters()}
+    groups: dict[tuple[bool, bool], list] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            groups.setdefault((id(p) in added, p.ndim > 1), []).append(p)
+    return [{"params": params, "weight_decay": weight_decay if matrix else 0.0,
+             "lr": added_lr if is_added and added_lr is not None else lr}
+            for (is_added, matrix), params in sorted(groups.items())]
+
+
 def make_scheduler(optimizer, schedule: str, warmup_steps: int, total_steps: int):
     def factor(step: int) -> float:
         if warmup_steps and step < warmup_steps:
@@ -253,16 +265,16 @@ def finetune(
     accelerator, model: nn.Module, loader, *, steps: int, lr: float, weight_decay: float = 0.01,
     schedule: str = "linear", warmup_ratio: float = 0.0, max_grad_norm: float = 1.0, run_dir: Path | None = None,
     checkpoint_every: int = 0, start_step: int = 0, log: Callable[[dict], None] | None = None,
-    stage: str = "finetune",
+    stage: str = "finetune", added_lr: float | None = None,
 ) -> tuple[nn.Module, StageResult]:
     """Train every parameter on the task loss for ``steps`` optimizer updates.
 
-    Returns the prepared (possibly DDP-wrapped) model and the stage summary.
+    ``added_lr`` is the learning rate of what conversion added (feature maps, DWC
+    branch): freshly initialised modules barely move at a pretrained model's small
+    learning rate. None: ``lr`` for everything. Returns the prepared (possibly
+    DDP-wrapped) model and the stage summary.
     """
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim > 1]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim <= 1]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+    optimizer = torch.optim.AdamW(parameter_groups(model, lr, weight_decay, added_lr), lr=lr)
     # accelerate steps the scheduler once per process per update; keep it in update units.
     scheduler = make_scheduler(optimizer, schedule, int(warmup_ratio * steps), steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
