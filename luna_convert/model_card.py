@@ -104,7 +104,7 @@ def reproduce_command(config: dict) -> str:
 
     recipe = config.get("name") if config.get("name") in available_recipes() else None
     base = load_recipe(recipe)
-    words = ["luna-convert"] + ([recipe] if recipe else [])
+    words = ["luna-convert", "run"] + ([recipe] if recipe else [])
     for key, value in _changed(base, config):
         flag = _FLAGS.get(key)
         words += [flag, str(value)] if flag and isinstance(value, str) else ["--set", f"{key}={_yaml_scalar(value)}"]

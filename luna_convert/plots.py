@@ -55,6 +55,7 @@ def write_curves(run_dir: str | Path, log_file: str | Path, results: dict | None
 def _render(series: dict, results: dict | None) -> bytes:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     stages = list(series)
     fig = Figure(figsize=(5.2 * len(stages), 3.6))
@@ -64,6 +65,7 @@ def _render(series: dict, results: dict | None) -> bytes:
         steps, losses = series[stage]
         ax.plot(steps, losses, color="#1f77b4", linewidth=1.2, marker="." if len(steps) < 30 else None)
         ax.set_title(STAGE_TITLES.get(stage, stage), fontsize=10)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
@@ -84,5 +86,6 @@ def _mark_score(ax, last_step: int, results: dict) -> None:
                      label=f"teacher {metric} {results['teacher_score']:.4f}")
     score_ax.plot([last_step], [results["converted_score"]], marker="*", markersize=14, color="#d62728",
                   linestyle="none", label=f"converted {metric} {results['converted_score']:.4f}")
+    score_ax.margins(y=0.25)  # neither mark on the frame
     score_ax.set_ylabel(f"eval {metric}", color="#d62728")
     score_ax.legend(loc="center right", fontsize=8)
