@@ -16,6 +16,7 @@ from .autoconfig import task_for
 from .fileio import atomic_write_text
 from .method_specs import methods
 from .metrics import recovered_pct
+from .recipes import available_recipes, load_recipe
 from .report import RESULTS_FILE
 
 MODEL_CARD_FILE = "README.md"
@@ -100,8 +101,6 @@ def _dataset(task, config: dict) -> dict:
 def reproduce_command(config: dict) -> str:
     """A ``luna-convert`` command line that rebuilds this config: the recipe, then every setting that
     differs from it (own data: from the defaults, resolved choices included)."""
-    from .recipes import available_recipes, load_recipe
-
     recipe = config.get("name") if config.get("name") in available_recipes() else None
     base = load_recipe(recipe)
     words = ["luna-convert", "run"] + ([recipe] if recipe else [])

@@ -103,7 +103,8 @@ class PlainProgress:
 
     task = 0  # the one task, so that callers written for rich's Progress work unchanged
 
-    def __init__(self, description: str, total: int, file, every: float = 5.0, clock: Callable[[], float] | None = None):
+    def __init__(self, description: str, total: int, file, every: float = 5.0,
+                 clock: Callable[[], float] | None = None):
         self.description, self.total, self.file, self.every = description, total, file, every
         self.clock = clock or time.monotonic
         self.completed, self.info = 0, ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -264,6 +265,8 @@ def test_report_command_html_option(runs, tmp_path):
 
 
 CHROMIUM = shutil.which("chromium")
+# CI sets this after installing chromium: there the browser test must run, not skip.
+REQUIRE_CHROMIUM = bool(os.environ.get("LUNA_REQUIRE_CHROMIUM"))
 
 
 def chromium(page: Path, profile: Path, *args: str) -> subprocess.CompletedProcess:
@@ -274,11 +277,12 @@ def chromium(page: Path, profile: Path, *args: str) -> subprocess.CompletedProce
                           timeout=120, check=True)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium for the headless-browser test "
-                    "(apt-get install -y chromium)")
+@pytest.mark.skipif(CHROMIUM is None and not REQUIRE_CHROMIUM, reason="needs Debian's chromium for the "
+                    "headless-browser test (apt-get install -y chromium)")
 def test_html_report_renders_in_headless_chromium(runs, tmp_path):
     from PIL import Image
 
+    assert CHROMIUM is not None, "LUNA_REQUIRE_CHROMIUM is set but chromium is not on PATH (apt-get install -y chromium)"
     root, made = runs
     write_bench(tmp_path / "bench-1")
     page = write_html_report([root, tmp_path / "bench-1"], tmp_path / "report.html")
