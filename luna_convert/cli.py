@@ -246,13 +246,21 @@ def methods() -> None:
 def report(
     runs: List[Path] = typer.Argument(..., help="Run folders, or folders that contain runs."),
     output: Path = typer.Option(Path("outputs/report"), "--output", "-o", help="Where to write report.md/report.csv."),
+    html: Optional[Path] = typer.Option(None, "--html", help="Also write one self-contained HTML page: the table, "
+                                        "bar charts, each run's curves and the bench plot of any bench folder given."),
 ) -> None:
     """Gather runs into a methods x tasks table of % recovered."""
     from .report import build_report, render_table
+    from .report_html import check_html_path, write_html_report
 
+    if html is not None:
+        _guard(lambda: check_html_path(html))
     rep = _guard(lambda: build_report(runs, output))
     console.print(render_table(rep))
     console.print(f"wrote {output / 'report.md'} and {output / 'report.csv'}")
+    if html is not None:
+        _guard(lambda: write_html_report(runs, html, rep))
+        console.print(f"wrote {html}", soft_wrap=True, highlight=False)
 
 
 @app.command()

@@ -18,6 +18,8 @@ from .errors import LunaConvertError
 from .fileio import atomic_write_json
 from .method_specs import get_method
 from .metrics import recovered_pct
+from .model_card import MODEL_CARD_FILE, write_model_card
+from .plots import CURVES_FILE, write_curves
 from .serialization import library_versions, save
 
 RESULTS_FILE, CONFIG_FILE, TEACHER_FILE, LOG_FILE = "results.json", "config.json", "teacher.json", "train_log.jsonl"
@@ -53,7 +55,8 @@ def new_run_dir(config: dict) -> Path:
 
 
 # What a run writes into its folder: removed (only these) before --overwrite reuses a folder.
-RUN_ARTEFACTS = (RESULTS_FILE, CONFIG_FILE, TEACHER_FILE, LOG_FILE, STAGES_FILE, "trainer_state.json", MODEL_DIR, "checkpoints")
+RUN_ARTEFACTS = (RESULTS_FILE, CONFIG_FILE, TEACHER_FILE, LOG_FILE, STAGES_FILE, "trainer_state.json", MODEL_DIR,
+                 "checkpoints", MODEL_CARD_FILE, CURVES_FILE)
 
 
 def _check_replaceable(run_dir: Path) -> None:
@@ -463,6 +466,9 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         unwrapped = accelerator.unwrap_model(model)
         save(unwrapped, run_dir / MODEL_DIR, tokenizer=loaded.tokenizer, processor=loaded.image_processor,
              overwrite=True, extra={"image_config": loaded.image_config or None, "task": task.name})
+        # What people look at, then results.json last: it is what marks the run finished.
+        write_model_card(run_dir, results)
+        write_curves(run_dir, run_dir / LOG_FILE, results)
         atomic_write_json(run_dir / RESULTS_FILE, results)
     accelerator.wait_for_everyone()
     accelerator.end_training()

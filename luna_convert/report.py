@@ -78,7 +78,8 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-def _table_rows(rep: dict) -> tuple[list[str], list[list[str]]]:
+def table_rows(rep: dict) -> tuple[list[str], list[list[str]]]:
+    """Header and text cells of the methods x tasks table (the original's scores first), for every view of it."""
     header = ["method", *rep["tasks"], "ratio of means %", "mean of ratios %"]
     body = []
     for row in rep["rows"]:
@@ -95,7 +96,7 @@ def _table_rows(rep: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def to_markdown(rep: dict) -> str:
-    header, body = _table_rows(rep)
+    header, body = table_rows(rep)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     note = ("\nCells: converted score x100 (% of the original recovered). ratio of means = 100 x mean(converted) / "
@@ -118,7 +119,7 @@ def to_csv(rep: dict) -> str:
 def render_table(rep: dict):
     from rich.table import Table
 
-    header, body = _table_rows(rep)
+    header, body = table_rows(rep)
     table = Table(title="% of the original score recovered")
     for h in header:
         table.add_column(h, justify="left" if h == "method" else "right")

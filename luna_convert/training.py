@@ -76,15 +76,77 @@ def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ progress UI
-def progress_bar(accelerator, description: str, total: int):
-    """A rich progress bar on the main process only (a no-op elsewhere)."""
+def progress_bar(accelerator, description: str, total: int, file=None, every: float = 5.0):
+    """Progress of a long step on the main process only (a no-op elsewhere): a rich bar in a terminal;
+    where output is not a terminal (a log file, a pipe, CI), a plain line every ``every`` seconds.
+
+    Both answer ``with bar:``, ``bar.advance(task)`` and ``bar.update(task, advance=, completed=, info=)``.
+    """
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    console = Console(file=file)
+    if accelerator.is_main_process and not (console.is_terminal or console.is_jupyter):  # notebooks draw rich bars
+        bar = PlainProgress(description, total, console.file, every)
+        return bar, bar.task
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn()]
-    bar = Progress(*columns, disable=not accelerator.is_main_process, transient=False)
+    bar = Progress(*columns, console=console, disable=not accelerator.is_main_process, transient=False)
     task = bar.add_task(description, total=total, info="")
     return bar, task
+
+
+class PlainProgress:
+    """Progress as plain lines (``finetune 40/920 loss 0.3120 elapsed 0:00:12 eta 0:04:24``): one
+    when ``every`` seconds have passed since the last, and one at the end; rich's bar would print
+    nothing until the step is over where output is not a terminal."""
+
+    task = 0  # the one task, so that callers written for rich's Progress work unchanged
+
+    def __init__(self, description: str, total: int, file, every: float = 5.0,
+                 clock: Callable[[], float] | None = None):
+        self.description, self.total, self.file, self.every = description, total, file, every
+        self.clock = clock or time.monotonic
+        self.completed, self.info = 0, ""
+        self.started_at = self.start_completed = self.printed_at = None
+        self.printed_completed = None
+
+    def __enter__(self):
+        self.started_at = self.printed_at = self.clock()
+        self.start_completed = self.completed  # a resumed stage's earlier steps do not count in its speed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.printed_completed != self.completed:
+            self._print()
+
+    def advance(self, task, advance: float = 1) -> None:
+        self.update(task, advance=advance)
+
+    def update(self, task, advance: float = 0, completed: float | None = None, info: str | None = None) -> None:
+        self.completed = (completed if completed is not None else self.completed) + advance
+        if info is not None:
+            self.info = info
+        if self.started_at is None:  # set before ``with``: the starting point, not progress to show
+            return
+        if self.clock() - self.printed_at >= self.every:
+            self._print()
+
+    def _print(self) -> None:
+        now = self.clock()
+        elapsed = now - self.started_at
+        done = self.completed - self.start_completed
+        left = self.total - self.completed
+        eta = _clock_time(elapsed / done * left) if done > 0 else "?"
+        parts = [self.description, f"{int(self.completed)}/{self.total}", self.info,
+                 f"elapsed {_clock_time(elapsed)}", f"eta {eta}"]
+        print(" ".join(p for p in parts if p), file=self.file, flush=True)
+        self.printed_at, self.printed_completed = now, self.completed
+
+
+def _clock_time(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 # ------------------------------------------------------------------ checkpoints

@@ -1,0 +1,191 @@
+"""A run folder's model card: ``README.md`` with Hugging Face model-card front matter.
+
+The front matter (``base_model``, ``tags``, ``pipeline_tag``, ``metrics``, ``model-index`` with the
+measured scores, ``library_name``) is what the Hub and ``huggingface_hub.ModelCard`` read; the
+body says how the model was made: method and options, teacher vs converted score, the command.
+Everything comes from the run's ``results.json`` (which holds the run's config too).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from .autoconfig import task_for
+from .fileio import atomic_write_text
+from .method_specs import methods
+from .metrics import recovered_pct
+from .recipes import available_recipes, load_recipe
+from .report import RESULTS_FILE
+
+MODEL_CARD_FILE = "README.md"
+LIBRARY_NAME = "luna-convert"
+# Settings that name or place a run rather than decide what it computes.
+_NOT_IN_COMMAND = {"name", "description", "output_dir"}
+# Settings with their own command-line flag (the rest go through --set).
+_FLAGS = {"model": "--model", "task": "--task", "data_dir": "--data-dir", "method": "--method"}
+
+
+def write_model_card(run_dir: str | Path, results: dict | None = None) -> Path:
+    """Write ``run_dir/README.md`` from ``results`` (default: the run's results.json); returns its path."""
+    run_dir = Path(run_dir)
+    if results is None:
+        results = json.loads((run_dir / RESULTS_FILE).read_text())
+    path = run_dir / MODEL_CARD_FILE
+    atomic_write_text(path, model_card_text(results, results["config"]))
+    return path
+
+
+def model_card_text(results: dict, config: dict) -> str:
+    """The card's text (front matter + body) for one finished run."""
+    import yaml
+
+    front = yaml.safe_dump(card_metadata(results, config), sort_keys=False, allow_unicode=True)
+    return f"---\n{front}---\n\n{_body(results, config)}"
+
+
+def card_metadata(results: dict, config: dict) -> dict:
+    task = task_for(config)
+    pipeline_tag = "image-classification" if task.kind == "image" else "text-classification"
+    method = results["method"]
+    converted = results["converted_metrics"]
+    meta: dict = {}
+    base = hub_model_id(results["model"])
+    if base is not None:
+        meta["base_model"] = base
+    meta.update({
+        "library_name": LIBRARY_NAME,
+        "pipeline_tag": pipeline_tag,
+        "tags": ["linear-attention", method, LIBRARY_NAME, task.kind],
+        "metrics": sorted({name.split("/")[-1] for name in converted}),
+        "model-index": [{
+            "name": Path(str(results["run_dir"])).name,
+            "results": [{
+                "task": {"type": pipeline_tag, "name": task.name},
+                "dataset": _dataset(task, config),
+                "metrics": [{"type": name, "name": name, "value": float(value)} for name, value in converted.items()],
+            }],
+        }],
+        # The conversion itself, for tools that read the card (the Hub shows unknown keys as they are).
+        "luna_convert": {
+            "method": method,
+            "method_options": _options(results, config),
+            "headline_metric": results["headline_metric"],
+            "teacher_score": results["teacher_score"],
+            "converted_score": results["converted_score"],
+            "recovered_pct": results["recovered_pct"],
+            "steps": results["steps"],
+        },
+    })
+    return meta
+
+
+def hub_model_id(model: str) -> str | None:
+    """The Hub id of the run's original model, or None for a local folder or a built-in teacher."""
+    if model.startswith("timm:"):
+        return f"timm/{model.removeprefix('timm:')}"  # timm's pretrained weights live under the timm org
+    if model.startswith(("builtin:", ".", "/", "~")) or Path(model).exists() or model.count("/") > 1:
+        return None
+    return model
+
+
+def _dataset(task, config: dict) -> dict:
+    if task.glue_config:
+        return {"name": f"GLUE {task.glue_config.upper()}", "type": "nyu-mll/glue", "config": task.glue_config}
+    data_dir = config.get("data_dir")
+    name = Path(str(data_dir).rstrip("/")).name if data_dir else task.name
+    return {"name": name, "type": name}
+
+
+def reproduce_command(config: dict) -> str:
+    """A ``luna-convert`` command line that rebuilds this config: the recipe, then every setting that
+    differs from it (own data: from the defaults, resolved choices included)."""
+    recipe = config.get("name") if config.get("name") in available_recipes() else None
+    base = load_recipe(recipe)
+    words = ["luna-convert", "run"] + ([recipe] if recipe else [])
+    for key, value in _changed(base, config):
+        flag = _FLAGS.get(key)
+        words += [flag, str(value)] if flag and isinstance(value, str) else ["--set", f"{key}={_yaml_scalar(value)}"]
+    return shlex.join(words)
+
+
+def _changed(base: dict, config: dict, prefix: str = ""):
+    for key, default in base.items():
+        if not prefix and key in _NOT_IN_COMMAND or key not in config:
+            continue
+        value = config[key]
+        if isinstance(default, dict) and key != "method_options":
+            yield from _changed(default, value, f"{prefix}{key}.")
+        elif key == "method_options":
+            yield from ((f"method_options.{k}", v) for k, v in value.items() if default.get(k) != v)
+        elif value != default:
+            yield f"{prefix}{key}", value
+
+
+def _yaml_scalar(value) -> str:
+    """``value`` as --set reads it back (YAML): PyYAML writes 1e-05 as 1.0e-05, which it parses as a number."""
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True).strip()
+    return text.removesuffix("...").strip()
+
+
+def _options(results: dict, config: dict) -> dict:
+    """The options the conversion ran with (the method's defaults filled in), as results.json records them."""
+    return (results.get("conversion") or {}).get("options") or config.get("method_options") or {}
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.1f}%"
+
+
+def _body(results: dict, config: dict) -> str:
+    method, headline = results["method"], results["headline_metric"]
+    given = config.get("method_options") or {}
+    options_text = ", ".join(f"`{k}={v}`" + ("" if k in given else " (default)")
+                             for k, v in _options(results, config).items()) or "none"
+    steps = results["steps"]
+    lines = [
+        f"# {Path(str(results['run_dir'])).name}",
+        "",
+        f"`{results['model']}` with its softmax attention converted to **{method}** linear attention "
+        f"({methods().get(method, '')}) by luna-convert, then trained back on "
+        f"**{results['task']}**.",
+        "",
+        "## Conversion",
+        "",
+        f"- method: `{method}`; options: {options_text}",
+        f"- attention modules converted: {len(results['conversion'].get('modules', []))}, "
+        f"parameters added: {results['conversion'].get('params_added', 0):,}",
+        f"- training: {steps['distill']} attention-distillation steps, then {steps['finetune']} finetuning steps "
+        f"(lr {config['train']['lr']}, batch {config['train']['batch_size']}, seed {results['seed']})",
+        "",
+        "## Results",
+        "",
+        f"{results['eval_examples']} evaluation examples; headline metric **{headline}**.",
+        "",
+        "| metric | teacher (softmax) | converted | recovered |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, teacher in results["teacher_metrics"].items():
+        converted = results["converted_metrics"].get(name)
+        star = " *" if name == headline else ""
+        pct = recovered_pct(converted, teacher, name.split("/")[-1]) if converted is not None else None
+        lines.append(f"| {name}{star} | {teacher:.4f} | "
+                     f"{'-' if converted is None else f'{converted:.4f}'} | {_pct(pct)} |")
+    lines += [
+        "",
+        f"Converted {headline} {results['converted_score']:.4f} against the teacher's {results['teacher_score']:.4f}: "
+        f"{_pct(results['recovered_pct'])} of the original recovered.",
+        "",
+        "## How it was made",
+        "",
+        "```bash",
+        reproduce_command(config),
+        "```",
+        "",
+        "Load it with `luna_convert.load(\"model\")` (this folder's `model/`); the training curves are in `curves.png`.",
+        "",
+    ]
+    return "\n".join(lines)
