@@ -75,6 +75,15 @@ def test_report_refuses_an_unreadable_finish_time(tmp_path):
         _runs_for_one_cell(tmp_path, [("run", "yesterday")])
 
 
+def test_report_refuses_an_unreadable_results_file(tmp_path):
+    from luna_convert.errors import LunaConvertError
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.json").write_text('{"method": "luna", ')  # cut short
+    with pytest.raises(LunaConvertError, match="cannot read .*results.json"):
+        build_report([tmp_path])
+
+
 def test_a_run_records_when_it_finished(tmp_path):
     from datetime import datetime
 
