@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .errors import LunaConvertError, unknown_name
 
+
 def _digits_vit():
     from .models import LoadedModel, create_timm_model
 
