@@ -459,7 +459,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         "final_loss": stage.final_loss, "timings": timings, "seed": config["seed"],
         "num_processes": accelerator.num_processes, "device": str(accelerator.device),
         "conversion": report.to_dict() if report else None, "config": config, "versions": library_versions(),
-        "run_dir": str(run_dir),
+        "run_dir": str(run_dir), "finished_at": datetime.now().astimezone().isoformat(),  # orders runs in `report`
     }
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from .errors import LunaConvertError, unknown_name
 
-RECIPE_DIRS = [Path(__file__).resolve().parent.parent / "recipes"]
+# Shipped inside the package (package-data), so an installed tool finds them from any working directory.
+RECIPE_DIRS = [Path(__file__).resolve().parent / "recipes"]
 
 DEFAULTS: dict = {
     "name": None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 
 from .autoconfig import OWN_DATA_TASKS
@@ -16,14 +17,34 @@ RESULTS_FILE = "results.json"
 
 
 def find_runs(paths: list[Path]) -> list[dict]:
-    runs = []
+    """Every run's results, oldest finish first."""
+    finished = []
     for path in paths:
         files = [path / RESULTS_FILE] if (path / RESULTS_FILE).is_file() else sorted(path.glob(f"*/{RESULTS_FILE}"))
         for f in files:
-            runs.append(json.loads(f.read_text()))
-    if not runs:
+            try:
+                run = json.loads(f.read_text())
+            except (OSError, ValueError) as e:
+                raise LunaConvertError(f"cannot read {f} ({e}); remove that run folder or pass the others") from None
+            finished.append((finish_time(run, f), run))
+    if not finished:
         raise LunaConvertError(f"no {RESULTS_FILE} found in {', '.join(map(str, paths))}; pass run folders under outputs/")
-    return runs
+    finished.sort(key=lambda pair: pair[0])
+    return [run for _, run in finished]
+
+
+def finish_time(run: dict, results_file: Path) -> datetime:
+    """When the run finished: its recorded ``finished_at``, else (runs written before it was recorded)
+    the results file's modification time. Folder names do not order runs: they start with the recipe's name."""
+    stamp = run.get("finished_at")
+    if stamp is None:
+        return datetime.fromtimestamp(results_file.stat().st_mtime, tz=timezone.utc)
+    try:
+        when = datetime.fromisoformat(str(stamp))
+    except ValueError:
+        raise LunaConvertError(f"{results_file}: finished_at {stamp!r} is not an ISO time "
+                               "(e.g. 2025-01-31T12:00:00+00:00); fix or remove it") from None
+    return when if when.tzinfo is not None else when.astimezone()  # no zone: local time, as datetime.now() writes
 
 
 def task_column(run: dict) -> str:
@@ -42,8 +63,8 @@ def build_report(paths: list[Path], output: Path | None = None) -> dict:
     mean of ratios  = mean over tasks of 100 * converted / original
     """
     cells: dict[tuple[str, str], dict] = {}
-    for run in sorted(find_runs(paths), key=lambda r: r["run_dir"]):
-        cells[(run["method"], task_column(run))] = run  # the latest run per cell wins
+    for run in find_runs(paths):  # oldest first: the last finished run per cell wins
+        cells[(run["method"], task_column(run))] = run
     tasks = sorted({t for _, t in cells})
     methods = sorted({m for m, _ in cells})
     rows = []

