@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from luna_convert import kernels
+from luna_convert.attention import LinearAttention
 from luna_convert.feature_maps import LunaFeatureMap, ScalarChannels
 from luna_convert.kernels import _Locator, channel_tables, scalar_channels
 from luna_convert.linear_attention import linear_attention, linear_attention_weights
@@ -235,3 +236,87 @@ def test_depthwise_conv_tokens_matches_torch_conv(grid, kernel):
         torch.testing.assert_close(a, b)
     small = torch.randn(1, 2, *grid, channels, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, w, b: kernels.depthwise_conv_tokens(a, w, b), (small, conv.weight, conv.bias))
+
+
+def test_tables_cached_under_inference_mode_are_not_saved_for_backward():
+    """Evaluate under inference mode, freeze the feature map, train what is around it (issue 15, item 1)."""
+    torch.manual_seed(0)
+    fm = LunaFeatureMap(8, 2)
+    reference = LunaFeatureMap(8, 2, fast=False)
+    reference.load_state_dict(fm.state_dict())
+    x = torch.randn(1, 2, 6, 8)
+    with torch.inference_mode():
+        fm(x)
+    fm.requires_grad_(False)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    fm(xs[0]).square().sum().backward()  # raised "Inference tensors cannot be saved for backward"
+    reference(xs[1]).square().sum().backward()
+    # measured difference 2.4e-7 (float32)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("edit", ["b2", "w1", "swap"])
+def test_cache_never_returns_stale_tables_after_edits_through_data(edit):
+    """``.data`` edits (EMA, weight surgery, some loaders) do not bump ``_version`` (issue 15, item 2)."""
+    psi = _bank(False)
+    u = torch.randn(20, 8) * 2
+    with torch.no_grad():
+        scalar_channels(u, psi)
+        if edit == "b2":
+            psi.b2.data.add_(1.0)
+        elif edit == "w1":
+            psi.w1.data[3].mul_(-1.0)
+        else:  # new storage, same values elsewhere
+            psi.w2.data = psi.w2.data * 0.5
+        # measured difference 4.8e-7 (float32 evaluation against the reference MLP)
+        torch.testing.assert_close(scalar_channels(u, psi), psi(u), rtol=1e-5, atol=5e-6)
+
+
+def test_streamed_backward_table_scope_is_per_thread():
+    """Two threads in the streamed backward at once: each uses its own tables (issue 10, layout).
+
+    Thread A's backward recomputes its features while thread B is paused inside its own
+    backward; with one module-global scope A picked up B's tables and lost their gradients."""
+    import threading
+
+    torch.manual_seed(0)
+    layer = LinearAttention("luna", 8, 2, 8**-0.5).train()
+    params = list(layer.parameters())
+    q, k, v = (torch.randn(1, 2, 20, 8) for _ in range(3))
+    b_inside, b_release, a_inside = threading.Event(), threading.Event(), threading.Event()
+
+    def gradients(phi):
+        out = kernels.streamed_linear_attention(q, k, v, phi, layer.key_features, params, chunk=8)
+        return torch.autograd.grad(out.square().sum(), params)
+
+    def phi_a(x):
+        if torch.is_grad_enabled() and not a_inside.is_set():  # the backward's recomputation
+            a_inside.set()
+            start_b()
+            assert b_inside.wait(30)
+        return layer.query_features(x)
+
+    def phi_b(x):
+        if torch.is_grad_enabled() and not b_inside.is_set():
+            b_inside.set()
+            b_release.wait(30)
+        return layer.query_features(x)
+
+    results, threads = {}, []
+
+    def run_b():
+        results["b"] = gradients(phi_b)
+
+    def start_b():
+        threads.append(threading.Thread(target=run_b, daemon=True))
+        threads[0].start()
+
+    try:
+        results["a"] = gradients(phi_a)
+    finally:
+        b_release.set()
+    expected = gradients(layer.query_features)
+    threads[0].join(30)
+    for name in ("a", "b"):
+        for got, want in zip(results[name], expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"thread {name}")
