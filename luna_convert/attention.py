@@ -126,7 +126,7 @@ class LinearAttention(nn.Module):
             teacher = softmax_attention_weights(q, k, self.softmax_scale, key_mask)
             student = linear_attention_weights(phi_q, phi_k, key_mask, self.eps)
             self.distill_loss = attention_distillation_loss(teacher.detach(), student, key_mask, self.eps)
-            return torch.einsum("bhnm,bhmd->bhnd", teacher, v.float()).to(v.dtype)
+            return torch.einsum("bhnm,bhmd->bhnd", teacher, v.to(teacher.dtype)).to(v.dtype)
         params = [p for m in (self.phi_q, self.phi_k) if m is not None for p in m.parameters()]
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params))
         chunk = self.stream_chunk(v.shape[0], v.shape[2], needs_grad) if v.device.type == "cpu" else None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import accumulation_dtype, linear_attention_core
+
 EPS = 1e-6
 
 
@@ -20,18 +22,17 @@ def linear_attention(
 
     Pads are removed by zeroing phi(k) (not k or v: phi(0) need not be 0).
     Sums and the division run in fp32 even under autocast, so bf16/fp16
-    inputs cannot overflow the sums or divide by a rounded-off zero.
+    inputs cannot overflow the sums or divide by a rounded-off zero; float64
+    inputs stay float64.
     """
-    out_dtype = v.dtype
+    out_dtype, compute = v.dtype, accumulation_dtype(phi_q, phi_k, v)
     with torch.autocast(device_type=v.device.type, enabled=False):
-        phi_q, phi_k, v = phi_q.float(), phi_k.float(), v.float()
+        phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
         if key_mask is not None:
             phi_k = phi_k * key_mask[:, None, :, None].to(phi_k.dtype)
         # S = phi(k)^T v, z = sum_j phi(k_j); out = phi(q) S / (phi(q) z + eps), with a
         # hand-written backward (kernels.linear_attention_core): fewer passes over
         # [N, d] tensors and contiguous gradients for phi(q), phi(k) and v.
-        from .kernels import linear_attention_core
-
         out = linear_attention_core(phi_q, phi_k, v, eps)
     return out.to(out_dtype)
 
@@ -39,8 +40,9 @@ def linear_attention(
 def linear_attention_weights(
     phi_q: torch.Tensor, phi_k: torch.Tensor, key_mask: torch.Tensor | None = None, eps: float = EPS
 ) -> torch.Tensor:
-    """Explicit A_ij = phi(q_i)^T phi(k_j) / (sum_m phi(q_i)^T phi(k_m) + eps), in fp32. [B, H, N, N]"""
-    scores = torch.einsum("bhnf,bhmf->bhnm", phi_q.float(), phi_k.float())
+    """Explicit A_ij = phi(q_i)^T phi(k_j) / (sum_m phi(q_i)^T phi(k_m) + eps), in fp32 (float64 for float64). [B, H, N, N]"""
+    compute = accumulation_dtype(phi_q, phi_k)
+    scores = torch.einsum("bhnf,bhmf->bhnm", phi_q.to(compute), phi_k.to(compute))
     if key_mask is not None:
         scores = scores * key_mask[:, None, None, :]
     return scores / (scores.sum(-1, keepdim=True) + eps)
@@ -49,8 +51,9 @@ def linear_attention_weights(
 def softmax_attention_weights(
     q: torch.Tensor, k: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """softmax(q k^T * scale) over real keys, in fp32. [B, H, N, N]"""
-    scores = torch.einsum("bhnd,bhmd->bhnm", q.float(), k.float()) * scale
+    """softmax(q k^T * scale) over real keys, in fp32 (float64 for float64). [B, H, N, N]"""
+    compute = accumulation_dtype(q, k)
+    scores = torch.einsum("bhnd,bhmd->bhnm", q.to(compute), k.to(compute)) * scale
     if key_mask is not None:
         scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
     return torch.softmax(scores, dim=-1)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from luna_convert import kernels
+from luna_convert.attention import LinearAttention
 from luna_convert.feature_maps import LunaFeatureMap, ScalarChannels
 from luna_convert.kernels import _Locator, channel_tables, scalar_channels
 from luna_convert.linear_attention import linear_attention, linear_attention_weights
@@ -38,11 +39,12 @@ def test_matches_reference_values_and_gradients(shared):
     fast = scalar_channels(u, psi)
     assert fast.shape == ref.shape == (2, 3, 200, 8, 8)
     assert fast.dtype == ref.dtype
-    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast, ref, rtol=0, atol=5e-6)  # measured 9.5e-7 (values up to 7)
     grad = torch.randn_like(ref)
     for name, a, b in zip(["u", "w1", "b1", "w2", "b2"], _grads(ref, params, grad), _grads(fast, params, grad)):
         scale = b.abs().max().clamp_min(1.0)
-        torch.testing.assert_close(a / scale, b / scale, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+        # measured 5.4e-7 (scaled to max 1)
+        torch.testing.assert_close(a / scale, b / scale, rtol=0, atol=3e-6, msg=f"gradient of {name}")
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -54,13 +56,14 @@ def test_fp64_gradcheck(shared):
     grad = torch.randn(1, 2, 7, 2, 3, dtype=torch.float64)
     inputs = [u, *psi.parameters()]
     for a, b in zip(_grads(psi(u), inputs, grad), _grads(scalar_channels(u, psi), inputs, grad)):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-14)  # measured 1.3e-15
 
 
 def test_scale_is_folded_in():
     psi = _bank(False)
     u = torch.randn(4, 8)
-    torch.testing.assert_close(scalar_channels(u, psi, scale=0.25), psi(u) * 0.25, rtol=1e-5, atol=1e-6)
+    # measured 4.5e-8
+    torch.testing.assert_close(scalar_channels(u, psi, scale=0.25), psi(u) * 0.25, rtol=0, atol=3e-7)
     with pytest.raises(ValueError):
         scalar_channels(u, psi, scale=-1.0)
 
@@ -70,7 +73,8 @@ def test_inputs_outside_and_on_the_knots():
     knots, _, _ = channel_tables(psi)
     finite = knots[torch.isfinite(knots)].float()
     u = torch.cat([finite, finite + 1e-3, finite - 1e-3, torch.tensor([-1e6, 1e6, 0.0])]).view(-1, 1)
-    torch.testing.assert_close(scalar_channels(u, psi), psi(u), rtol=1e-5, atol=1e-4)
+    # measured: 9.5e-7 absolute on values < 1, 1.4e-6 relative on larger ones (up to 6.7e5 at u = 1e6)
+    torch.testing.assert_close(scalar_channels(u, psi), psi(u), rtol=5e-6, atol=5e-6)
 
 
 def test_locator_matches_searchsorted():
@@ -93,19 +97,20 @@ def test_low_precision_and_autocast():
     ref = psi(u)
     out = scalar_channels(u.bfloat16(), psi)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), psi(u.bfloat16().float()), rtol=2e-2, atol=2e-2)
+    # measured 3.9e-3 (bf16 rounding of values up to 1.9)
+    torch.testing.assert_close(out.float(), psi(u.bfloat16().float()), rtol=0, atol=1.5e-2)
     fm = LunaFeatureMap(16, 2)
     x = torch.randn(1, 2, 10, 16, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = fm(x)
         attn = linear_attention(y, y, x)
     assert torch.isfinite(y.float()).all()
-    torch.testing.assert_close(y.float(), fm(x), rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(y.float(), fm(x), rtol=0, atol=1e-2)  # measured 2.3e-3 (bf16 autocast)
     # backward through the kernels under autocast: finite, and close to float32's
     (g_bf16,) = torch.autograd.grad(attn.float().sum(), [x])
     (g_fp32,) = torch.autograd.grad(linear_attention(fm(x), fm(x), x).sum(), [x])
     assert torch.isfinite(g_bf16).all()
-    assert (g_bf16 - g_fp32).norm() < 0.1 * g_fp32.norm()
+    assert (g_bf16 - g_fp32).norm() < 0.015 * g_fp32.norm()  # measured 0.0034
     del ref
 
 
@@ -134,7 +139,7 @@ def test_cache_follows_parameter_updates():
         first = scalar_channels(u, psi)
         psi.b2.add_(1.0)
         second = scalar_channels(u, psi)
-        torch.testing.assert_close(second, psi(u))
+        torch.testing.assert_close(second, psi(u), rtol=0, atol=1e-6)  # measured 2.4e-7
     assert not torch.equal(first, second)
     # Gradients still flow after cached (no-grad) calls.
     out = scalar_channels(u, psi)
@@ -151,12 +156,12 @@ def test_feature_map_fast_equals_reference(envelope, shared):
     slow.load_state_dict(fast.state_dict())
     x = torch.randn(2, 4, 33, 32, requires_grad=True)
     a, b = fast(x), slow(x)
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a, b, rtol=0, atol=5e-7)  # measured 8.9e-8
     g = torch.randn_like(a)
     ga = _grads(a, [x, *fast.parameters()], g)
     gb = _grads(b, [x, *slow.parameters()], g)
     for p, q in zip(ga, gb):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(p, q, rtol=0, atol=5e-5)  # measured 1.1e-5 (gradients up to 36)
 
 
 def test_linear_attention_matches_explicit_form_and_gives_contiguous_feature_grads():
@@ -168,10 +173,10 @@ def test_linear_attention_matches_explicit_form_and_gives_contiguous_feature_gra
     mask[1, 30:] = False
     out = linear_attention(phi_q, phi_k, v, mask)
     ref = linear_attention_weights(phi_q, phi_k, mask) @ v
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)  # measured 1.2e-7
     g = torch.randn_like(out)
     for a, b in zip(_grads(out, [phi_q, phi_k, v], g), _grads(ref, [phi_q, phi_k, v], g)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)  # measured 1.8e-7
     gq, gk = _grads(linear_attention(phi_q, phi_k, v), [phi_q, phi_k], g)
     assert gq.is_contiguous() and gk.is_contiguous()
 
@@ -181,10 +186,10 @@ def test_chunking_boundaries(monkeypatch):
     monkeypatch.setattr(kernels, "CPU_CHUNK", 7)
     u = torch.randn(5, 9, requires_grad=True)  # 45 scalars: 7 chunks, the last one short
     out = scalar_channels(u, psi)
-    torch.testing.assert_close(out, psi(u), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, psi(u), rtol=0, atol=1e-6)  # measured 1.8e-7
     g = torch.randn_like(out)
     for a, b in zip(_grads(out, [u, *psi.parameters()], g), _grads(psi(u), [u, *psi.parameters()], g)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=0, atol=1.5e-5)  # measured 2.9e-6 (gradients up to 12)
 
 
 def test_tables_are_the_piecewise_linear_function():
@@ -198,7 +203,8 @@ def test_tables_are_the_piecewise_linear_function():
     idx = torch.searchsorted(knots, mids)
     w1, b1, w2, b2 = (p.double() for p in (psi.w1, psi.b1, psi.w2, psi.b2))
     inner = (torch.relu(mids[:, None, None] * w1 + b1) * w2).sum(-1) + b2
-    torch.testing.assert_close(slope[idx] * mids[:, None] + intercept[idx], inner, rtol=1e-9, atol=1e-9)
+    # measured 1.1e-16
+    torch.testing.assert_close(slope[idx] * mids[:, None] + intercept[idx], inner, rtol=0, atol=1e-15)
     assert math.isfinite(float(slope.detach().abs().max()))
 
 
@@ -212,7 +218,7 @@ def test_linear_attention_core_gradcheck_and_partial_grads():
     fq, fk = phi_q.detach(), phi_k.detach()
     (gv,) = torch.autograd.grad(kernels.linear_attention_core(fq, fk, v, 1e-6).sum(), [v])
     (ref,) = torch.autograd.grad((linear_attention_weights(fq, fk).double() @ v).sum(), [v])
-    torch.testing.assert_close(gv, ref)
+    torch.testing.assert_close(gv, ref, rtol=0, atol=2e-15)  # measured 2.2e-16
 
 
 @pytest.mark.parametrize("grid,kernel", [((37,), (3,)), ((5,), (7,)), ((6, 7), (3, 3)), ((2, 9), (5, 3))])
@@ -228,10 +234,93 @@ def test_depthwise_conv_tokens_matches_torch_conv(grid, kernel):
     xc = x.reshape(-1, *grid, channels).movedim(-1, 1)
     ref = conv(xc).movedim(1, -1).reshape(*lead, *grid, channels)
     out = kernels.depthwise_conv_tokens(x, conv.weight, conv.bias)
-    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(out, ref, rtol=0, atol=4e-15)  # measured 4.4e-16
     g = torch.randn_like(ref)
     params = [x, conv.weight, conv.bias]
     for a, b in zip(_grads(out, params, g), _grads(ref, params, g)):
-        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)  # measured 1.6e-14 (weight gradients up to 31)
     small = torch.randn(1, 2, *grid, channels, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, w, b: kernels.depthwise_conv_tokens(a, w, b), (small, conv.weight, conv.bias))
+
+
+def test_tables_cached_under_inference_mode_are_not_saved_for_backward():
+    """Evaluate under inference mode, freeze the feature map, train what is around it (issue 15, item 1)."""
+    torch.manual_seed(0)
+    fm = LunaFeatureMap(8, 2)
+    reference = LunaFeatureMap(8, 2, fast=False)
+    reference.load_state_dict(fm.state_dict())
+    x = torch.randn(1, 2, 6, 8)
+    with torch.inference_mode():
+        fm(x)
+    fm.requires_grad_(False)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    fm(xs[0]).square().sum().backward()  # raised "Inference tensors cannot be saved for backward"
+    reference(xs[1]).square().sum().backward()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=0, atol=5e-7)  # measured 6.0e-8
+
+
+@pytest.mark.parametrize("edit", ["b2", "w1", "swap"])
+def test_cache_never_returns_stale_tables_after_edits_through_data(edit):
+    """``.data`` edits (EMA, weight surgery, some loaders) do not bump ``_version`` (issue 15, item 2)."""
+    psi = _bank(False)
+    u = torch.randn(20, 8) * 2
+    with torch.no_grad():
+        scalar_channels(u, psi)
+        if edit == "b2":
+            psi.b2.data.add_(1.0)
+        elif edit == "w1":
+            psi.w1.data[3].mul_(-1.0)
+        else:  # new storage, same values elsewhere
+            psi.w2.data = psi.w2.data * 0.5
+        # measured 3.6e-7 (float32 evaluation against the reference MLP)
+        torch.testing.assert_close(scalar_channels(u, psi), psi(u), rtol=0, atol=2e-6)
+
+
+def test_streamed_backward_table_scope_is_per_thread():
+    """Two threads in the streamed backward at once: each uses its own tables (issue 10, layout).
+
+    Thread A's backward recomputes its features while thread B is paused inside its own
+    backward; with one module-global scope A picked up B's tables and lost their gradients."""
+    import threading
+
+    torch.manual_seed(0)
+    layer = LinearAttention("luna", 8, 2, 8**-0.5).train()
+    params = list(layer.parameters())
+    q, k, v = (torch.randn(1, 2, 20, 8) for _ in range(3))
+    b_inside, b_release, a_inside = threading.Event(), threading.Event(), threading.Event()
+
+    def gradients(phi):
+        out = kernels.streamed_linear_attention(q, k, v, phi, layer.key_features, params, chunk=8)
+        return torch.autograd.grad(out.square().sum(), params)
+
+    def phi_a(x):
+        if torch.is_grad_enabled() and not a_inside.is_set():  # the backward's recomputation
+            a_inside.set()
+            start_b()
+            assert b_inside.wait(30)
+        return layer.query_features(x)
+
+    def phi_b(x):
+        if torch.is_grad_enabled() and not b_inside.is_set():
+            b_inside.set()
+            b_release.wait(30)
+        return layer.query_features(x)
+
+    results, threads = {}, []
+
+    def run_b():
+        results["b"] = gradients(phi_b)
+
+    def start_b():
+        threads.append(threading.Thread(target=run_b, daemon=True))
+        threads[0].start()
+
+    try:
+        results["a"] = gradients(phi_a)
+    finally:
+        b_release.set()
+    expected = gradients(layer.query_features)
+    threads[0].join(30)
+    for name in ("a", "b"):
+        for got, want in zip(results[name], expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"thread {name}")

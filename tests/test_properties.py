@@ -55,10 +55,12 @@ def test_matches_explicit_formula_fp32(inputs):
         exact, _ = reference(phi_q, phi_k, v, mask, eps=0.0)
     assert out.dtype == torch.float32
     assert bool(torch.isfinite(out).all())
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+    # measured at most 2.8e-6 over 7 x 40 examples (values up to 16)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
     # Where the denominator dwarfs eps, that is the textbook formula itself.
     big = den[..., 0] > 0.1
-    torch.testing.assert_close(out.double()[big], exact[big], atol=1e-5, rtol=1e-4)
+    # eps / den <= 1e-5 relative by construction, plus float32 error (measured at most 8.8e-5 at |out| ~ 9)
+    torch.testing.assert_close(out.double()[big], exact[big], atol=1e-5, rtol=2e-5)
     w = linear_attention_weights(phi_q, phi_k, mask)
     assert bool((w[~mask[:, None, None, :].expand_as(w)] == 0).all())
 
@@ -89,7 +91,7 @@ def test_pad_keys_have_no_influence(inputs):
     with torch.no_grad():
         out = layer(q, k, v, key_mask=mask)
         out_noisy = layer(q, noise(k), noise(v), key_mask=mask)
-    torch.testing.assert_close(out, out_noisy, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, out_noisy, atol=0, rtol=0)  # zeroed pad features add exact zeros (measured 0)
 
 
 @SETTINGS

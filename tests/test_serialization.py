@@ -94,16 +94,23 @@ def test_saves_tokenizer_built_offline(tmp_path):
     from transformers import AutoTokenizer, BertTokenizerFast
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "##s"]
-    vocab_file = tmp_path / "vocab.txt"
-    vocab_file.write_text("\n".join(vocab) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(vocab_file))
+    source = tmp_path / "tokenizer"
+    source.mkdir()
+    (source / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    # from_pretrained on a folder with vocab.txt reads the WordPiece vocabulary on transformers 4.57 and 5.x
+    # (the constructor's argument is vocab_file on 4.x but vocab on 5.x).
+    tokenizer = BertTokenizerFast.from_pretrained(str(source))
+    sentences = ["the cat sat", "the cats sat on the mat"]
+    ids = tokenizer(sentences[1])["input_ids"]
+    assert ids == [vocab.index(w) for w in ["[CLS]", "the", "cat", "##s", "sat", "on", "the", "mat", "[SEP]"]]
     model = make_bert()
     convert(model, "t2r")
     folder = save(model, tmp_path / "m", tokenizer=tokenizer)
     reloaded = AutoTokenizer.from_pretrained(folder)
-    batch = reloaded(["the cat sat", "the cats sat on the mat"], padding=True, return_tensors="pt")
-    assert batch["input_ids"].tolist() == tokenizer(["the cat sat", "the cats sat on the mat"],
-                                                     padding=True, return_tensors="pt")["input_ids"].tolist()
+    batch = reloaded(sentences, padding=True, return_tensors="pt")
+    assert batch["input_ids"].tolist() == tokenizer(sentences, padding=True, return_tensors="pt")["input_ids"].tolist()
+    assert batch["input_ids"][1].tolist() == ids
+    assert reloaded.decode(ids, skip_special_tokens=True) == sentences[1]
     loaded = load(folder)
     with torch.no_grad():
         assert torch.equal(loaded(**batch).logits, model(**batch).logits)
