@@ -264,6 +264,55 @@ def report(
 
 
 @app.command()
+def compare(
+    recipe: Optional[str] = typer.Argument(None, help="Recipe name or YAML file (or --model/--data-dir)."),
+    methods: str = typer.Option("luna,hedgehog,t2r-hh,t2r", "--methods", help="Comma-separated methods."),
+    seeds: str = typer.Option("0", "--seeds", help="Comma-separated seeds; mean and spread are reported."),
+    control: bool = typer.Option(True, "--control/--no-control", help="Also finetune the unconverted model with "
+                                 "the same budget (the softmax row)."),
+    folder: Optional[Path] = typer.Option(None, "--dir", help="Comparison folder [OUTPUT_DIR/compare-<case>]; "
+                                          "runs finished there earlier are read back, not re-run."),
+    model: Optional[str] = typer.Option(None, "--model"),
+    task: Optional[str] = typer.Option(None, "--task"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir"),
+    output_dir: Optional[str] = typer.Option(None, "--output-dir"),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps"),
+    distill_steps: Optional[int] = typer.Option(None, "--distill-steps"),
+    lr: Optional[float] = typer.Option(None, "--lr"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size"),
+    max_length: Optional[int] = typer.Option(None, "--max-length"),
+    set_: List[str] = typer.Option([], "--set", help="Any recipe setting as key=value (repeatable)."),
+) -> None:
+    """Several methods on one case with the same budget: teacher, right after conversion, after
+    distillation, final, % recovered, s/step; writes compare.json, compare.md and compare.png."""
+    from .compare import TABLE_FILE, run_compare
+    from .recipes import apply_overrides, load_recipe
+
+    method_list = [m.strip() for m in methods.split(",") if m.strip()]
+    seed_list = _int_list(seeds, "--seeds")
+    cli = {"model": model, "task": task, "data_dir": data_dir, "output_dir": output_dir,
+           "train.max_steps": max_steps, "distill.steps": distill_steps, "train.lr": lr,
+           "train.batch_size": batch_size, "train.max_length": max_length}
+
+    def build():
+        config = apply_overrides(load_recipe(recipe), _overrides(cli, set_))
+        if recipe is None:
+            from .autoconfig import mark_auto
+
+            mark_auto(config, _overrides(cli, set_))
+        return config
+
+    config = _guard(build)
+    case = config["name"] or Path(str(config["model"])).name
+    target = folder or Path(config["output_dir"]) / f"compare-{case}"
+    summary = _guard(lambda: run_compare(config, method_list, seed_list, target, control=control, console=console))
+    from .compare import markdown_table
+
+    console.print(markdown_table(summary), soft_wrap=True, highlight=False)
+    console.print(f"wrote {target / TABLE_FILE}, compare.json and compare.png", soft_wrap=True, highlight=False)
+
+
+@app.command()
 def demo(
     method: str = typer.Option("luna", "--method", "-m"),
     output_dir: str = typer.Option("outputs", "--output-dir"),

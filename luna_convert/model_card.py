@@ -146,6 +146,7 @@ def _body(results: dict, config: dict) -> str:
     options_text = ", ".join(f"`{k}={v}`" + ("" if k in given else " (default)")
                              for k, v in _options(results, config).items()) or "none"
     steps = results["steps"]
+    conversion = results.get("conversion") or {}
     lines = [
         f"# {Path(str(results['run_dir'])).name}",
         "",
@@ -156,8 +157,9 @@ def _body(results: dict, config: dict) -> str:
         "## Conversion",
         "",
         f"- method: `{method}`; options: {options_text}",
-        f"- attention modules converted: {len(results['conversion'].get('modules', []))}, "
-        f"parameters added: {results['conversion'].get('params_added', 0):,}",
+        f"- attention modules converted: {len(conversion.get('modules', []))}, "
+        f"parameters added: {conversion.get('params_added', 0):,}"
+        + (" (the control run: the original softmax model finetuned unconverted)" if not conversion else ""),
         f"- training: {steps['distill']} attention-distillation steps, then {steps['finetune']} finetuning steps "
         f"(lr {config['train']['lr']}, batch {config['train']['batch_size']}, seed {results['seed']})",
         "",

@@ -337,7 +337,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     say = (console.print if console is not None and accelerator.is_main_process else (lambda *a, **k: None))
     timings: dict[str, float] = {}
 
-    source = ensure_builtin(config["model"], accelerator, config["output_dir"], console=say)
+    source = ensure_builtin(config["model"], accelerator, config["output_dir"], console=say, data_dir=config["data_dir"])
     set_seed(config["seed"])
     loaded = load_model(source, task.num_labels if task else None)
     if own_data:

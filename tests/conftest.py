@@ -177,6 +177,8 @@ OPTIONAL_SKIPS = {
     "transformers v5 API": "version-gated: runs in CI's current-transformers stage",
     "needs the transformers >= 5.10 ViT layout": "version-gated: runs in CI's current-transformers stage",
 }
+if os.environ.get("LUNA_CHROMIUM_UNAVAILABLE"):  # set by .ci/run only when installing chromium failed
+    OPTIONAL_SKIPS["needs Debian's chromium"] = "the machine could not install chromium (.ci/run warned)"
 
 
 def pytest_addoption(parser):

@@ -1,0 +1,136 @@
+"""The quality levers: exponential channel init, per-head projections, the learning rate of what
+conversion added, scores per stage, the softmax control and `compare`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from luna_convert.attention import LinearAttention
+from luna_convert.feature_maps import EXP_INIT_SPAN, LunaFeatureMap, ScalarChannels, exp_rates
+from luna_convert.pipeline import run_conversion
+from luna_convert.training import parameter_groups
+from test_pipeline import config_for, write_bert_checkpoint, write_sst2
+
+
+def test_exp_channel_init_interpolates_exponentials():
+    psi = ScalarChannels(channels=4, hidden=64, init="exp")
+    rates = exp_rates(4)
+    assert rates.tolist() == [0.5, -0.5, 1.0, -1.0]
+    u = torch.linspace(-EXP_INIT_SPAN, EXP_INIT_SPAN, 301, dtype=torch.float64)
+    with torch.no_grad():
+        got = psi.double()(u[:, None])[:, 0, :]  # [301, L]
+    want = torch.exp(u[:, None] * rates[None, :])
+    # Piecewise-linear interpolation of exp(c u) over 64 knots on [-4, 4] (spacing 0.127):
+    # the relative error is at most spacing^2 c^2 / 8 = 0.002 for |c| = 1 (measured 0.0020).
+    rel = ((got - want).abs() / want).max().item()
+    assert rel < 3e-3
+    # Beyond the span the channel continues with the last slope (a rising exponential keeps rising).
+    with torch.no_grad():
+        far = psi.double()(torch.tensor([[EXP_INIT_SPAN + 1.0]], dtype=torch.float64))[0, 0]
+    assert far[0] > math.exp(0.5 * EXP_INIT_SPAN) and far[1] == pytest.approx(math.exp(-0.5 * EXP_INIT_SPAN), rel=1e-6)
+
+
+def test_exp_init_refuses_a_shared_bank_and_unknown_names():
+    with pytest.raises(ValueError, match="one hidden layer per channel"):
+        ScalarChannels(channels=4, hidden=8, shared=True, init="exp")
+    with pytest.raises(ValueError, match="unknown channel_init"):
+        ScalarChannels(channels=4, hidden=8, init="gaussian")
+    with pytest.raises(ValueError, match="projections == head_dim"):
+        LunaFeatureMap(16, 2, projections=8, projection_init="identity")
+
+
+def test_per_head_projections_project_each_head_with_its_own_matrix():
+    torch.manual_seed(0)
+    phi = LunaFeatureMap(8, 3, projections=4, channels=2, hidden=8, per_head_projections=True)
+    x = torch.randn(2, 3, 5, 8)
+    u = phi.project(x)
+    for h in range(3):
+        torch.testing.assert_close(u[:, h], x[:, h] @ phi.head_proj_weight[h] + phi.head_proj_bias[h])
+    # Same features as the reference bank evaluated on those projections (fast kernel vs plain MLP).
+    want = (phi.psi(u) / math.sqrt(4)).flatten(-2)
+    torch.testing.assert_close(phi(x), want, atol=1e-5, rtol=1e-5)  # measured 4.8e-7
+    ident = LunaFeatureMap(8, 3, projections=8, channels=2, hidden=8, per_head_projections=True,
+                           projection_init="identity")
+    torch.testing.assert_close(ident.project(x), x)
+
+
+def test_parameter_groups_give_what_conversion_added_its_own_learning_rate():
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.pretrained = torch.nn.Linear(4, 4)
+    model.attn = LinearAttention("t2r", head_dim=4, num_heads=2, softmax_scale=0.5, dwc=True)
+    groups = parameter_groups(model, lr=2e-5, weight_decay=0.01, added_lr=1e-3)
+    lr_of = {id(p): (g["lr"], g["weight_decay"]) for g in groups for p in g["params"]}
+    assert lr_of[id(model.pretrained.weight)] == (2e-5, 0.01)
+    assert lr_of[id(model.pretrained.bias)] == (2e-5, 0.0)
+    assert lr_of[id(model.attn.phi_q.proj.weight)] == (1e-3, 0.01)
+    assert lr_of[id(model.attn.dwc.conv.bias)] == (1e-3, 0.0)
+    assert len(lr_of) == sum(1 for _ in model.parameters())
+    same = parameter_groups(model, lr=2e-5, weight_decay=0.01, added_lr=None)
+    assert {g["lr"] for g in same} == {2e-5}
+
+
+@pytest.fixture(scope="module")
+def tiny_case(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quality")
+    return write_bert_checkpoint(root / "bert"), write_sst2(root / "SST-2")
+
+
+def test_run_scores_each_stage_and_the_control_is_unconverted(tiny_case, tmp_path):
+    model_dir, data_dir = tiny_case
+    results = run_conversion(config_for(model_dir, data_dir, "sst2", "hedgehog", tmp_path / "h"))
+    stages = results["stage_scores"]
+    assert set(stages) == {"after_conversion", "after_distillation", "final"}
+    assert stages["final"] == results["converted_score"]
+    assert json.loads((Path(results["run_dir"]) / "stage_scores.json").read_text()) == {
+        k: v for k, v in stages.items() if k != "final"}
+    control = run_conversion(config_for(model_dir, data_dir, "sst2", "softmax", tmp_path / "c"))
+    assert control["conversion"] is None and control["steps"] == {"distill": 0, "finetune": 3}
+    assert set(control["stage_scores"]) == {"final"}
+    meta = json.loads((Path(control["run_dir"]) / "model" / "linear_attention.json").read_text())
+    assert meta["conversion"] is None  # saved as the original architecture
+
+
+def test_compare_runs_every_method_and_reads_finished_runs_back(tiny_case, tmp_path):
+    from luna_convert.compare import COMPARE_FILE, PLOT_FILE, TABLE_FILE, run_compare
+
+    model_dir, data_dir = tiny_case
+    config = config_for(model_dir, data_dir, "sst2", "luna", tmp_path / "out")
+    folder = tmp_path / "cmp"
+    summary = run_compare(config, ["t2r", "t2r-hh"], [0, 1], folder)
+    assert [r["method"] for r in summary["rows"]] == ["softmax", "t2r", "t2r-hh"]
+    for row in summary["rows"]:
+        results = [json.loads((folder / f"{row['method']}-seed{s}" / "results.json").read_text()) for s in (0, 1)]
+        finals = [r["converted_score"] for r in results]
+        assert row["final"]["mean"] == pytest.approx(sum(finals) / 2)
+        assert row["final"]["std"] == pytest.approx(abs(finals[0] - finals[1]) / math.sqrt(2))
+        assert row["recovered_pct"]["mean"] == pytest.approx(sum(r["recovered_pct"] for r in results) / 2)
+    control = summary["rows"][0]["final"]["mean"]
+    t2r_hh = summary["rows"][2]
+    assert t2r_hh["after_distillation"]["n"] == 2 and summary["rows"][1]["after_distillation"]["n"] == 0
+    if control:
+        assert t2r_hh["pct_of_control"] == pytest.approx(100 * t2r_hh["final"]["mean"] / control)
+    table = (folder / TABLE_FILE).read_text()
+    assert table.count("\n| ") == 4 and "| t2r-hh |" in table  # header + 3 rows
+    assert (folder / PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((folder / COMPARE_FILE).read_text())["rows"] == summary["rows"]
+    # Run again: nothing is re-run (the run folders' results are read back unchanged).
+    stamp = (folder / "t2r-seed0" / "results.json").stat().st_mtime_ns
+    again = run_compare(config, ["t2r", "t2r-hh"], [0, 1], folder)
+    assert again["rows"] == summary["rows"]
+    assert (folder / "t2r-seed0" / "results.json").stat().st_mtime_ns == stamp
+
+
+def test_compare_refuses_an_unknown_method_before_running(tiny_case, tmp_path):
+    from luna_convert.compare import run_compare
+    from luna_convert.errors import LunaConvertError
+
+    model_dir, data_dir = tiny_case
+    with pytest.raises(LunaConvertError, match="unknown method"):
+        run_compare(config_for(model_dir, data_dir, "sst2", "luna", tmp_path), ["luna", "lunar"], [0], tmp_path / "c")
+    assert not (tmp_path / "c").exists()
