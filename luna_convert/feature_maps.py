@@ -54,12 +54,14 @@ class FeatureMap(nn.Module, abc.ABC):
 # --------------------------------------------------------------------------- LUNA
 # channel_init "exp": the channels interpolate exp(c u) on [-EXP_INIT_SPAN, EXP_INIT_SPAN].
 EXP_INIT_SPAN = 4.0
+# feature_norm "channel": keeps a token whose channel is zero on every projection at zero features.
+FEATURE_NORM_EPS = 1e-6
 
 
-def exp_rates(channels: int) -> torch.Tensor:
-    """Rates c_l of the exponential channel init: +-0.5, +-1, +-1.5, ... (pairs of opposite sign,
-    as Hedgehog's [exp(z), exp(-z)]), so the bank holds several temperatures of both directions."""
-    magnitude = 0.5 * (torch.arange(channels, dtype=torch.float64) // 2 + 1)
+def exp_rates(channels: int, base: float = 0.5) -> torch.Tensor:
+    """Rates c_l of the exponential channel init: +-base, +-2 base, +-3 base, ... (pairs of opposite
+    sign, as Hedgehog's [exp(z), exp(-z)]), so the bank holds several temperatures of both directions."""
+    magnitude = base * (torch.arange(channels, dtype=torch.float64) // 2 + 1)
     sign = 1.0 - 2.0 * (torch.arange(channels) % 2)
     return magnitude * sign
 
@@ -76,7 +78,8 @@ class ScalarChannels(nn.Module):
     is the plain reference.
     """
 
-    def __init__(self, channels: int, hidden: int, shared: bool = False, init: str = "random"):
+    def __init__(self, channels: int, hidden: int, shared: bool = False, init: str = "random",
+                 exp_rate: float = 0.5):
         super().__init__()
         self.channels, self.hidden, self.shared = channels, hidden, shared
         rows = 1 if shared else channels
@@ -89,12 +92,12 @@ class ScalarChannels(nn.Module):
         if init == "exp":
             if shared:
                 raise ValueError("channel_init 'exp' needs one hidden layer per channel (shared_channels false)")
-            self.init_exponential()
+            self.init_exponential(exp_rate)
         elif init != "random":
             raise ValueError(f"unknown channel_init {init!r}; choose 'random' or 'exp'")
 
     @torch.no_grad()
-    def init_exponential(self, span: float = EXP_INIT_SPAN) -> None:
+    def init_exponential(self, base_rate: float = 0.5, span: float = EXP_INIT_SPAN) -> None:
         """Each channel the piecewise-linear interpolant of exp(c_l * u) on [-span, span].
 
         The rates c_l alternate in sign and grow in size over the channels
@@ -104,7 +107,7 @@ class ScalarChannels(nn.Module):
         points; below the first knot the channel is constant, above the last it
         continues with the last slope.
         """
-        rates = exp_rates(self.channels).to(self.w1)
+        rates = exp_rates(self.channels, base_rate).to(self.w1)
         knots = torch.linspace(-span, span, self.hidden).to(self.w1)  # [hidden]
         for l, c in enumerate(rates.tolist()):
             sign = 1.0 if c > 0 else -1.0
@@ -183,6 +186,8 @@ class LunaFeatureMap(FeatureMap):
         channel_init: str = "random",
         per_head_projections: bool = False,
         projection_init: str = "random",
+        feature_norm: str = "none",
+        exp_rate: float = 0.5,
         fast: bool = True,
     ):
         super().__init__(head_dim, num_heads)
@@ -190,6 +195,9 @@ class LunaFeatureMap(FeatureMap):
             raise ValueError(f"unknown channel_bank {channel_bank!r}; choose one of {sorted(CHANNEL_BANKS)}")
         if channel_init != "random" and channel_bank != "mlp":
             raise ValueError(f"channel_init {channel_init!r} applies to channel_bank 'mlp' only")
+        if feature_norm not in ("none", "channel"):
+            raise ValueError(f"unknown feature_norm {feature_norm!r}; choose 'none' or 'channel'")
+        self.feature_norm = feature_norm
         if projection_init not in ("random", "identity"):
             raise ValueError(f"unknown projection_init {projection_init!r}; choose 'random' or 'identity'")
         if projection_init == "identity" and projections != head_dim:
@@ -211,7 +219,8 @@ class LunaFeatureMap(FeatureMap):
                 else:
                     self.proj.weight.copy_(torch.eye(head_dim))
         bank = CHANNEL_BANKS[channel_bank]
-        self.psi = bank(channels=channels, hidden=hidden, shared=shared_channels, init=channel_init) \
+        self.psi = bank(channels=channels, hidden=hidden, shared=shared_channels, init=channel_init,
+                        exp_rate=exp_rate) \
             if bank is ScalarChannels else bank(channels=channels)
         # Envelope h(x) in [0, 1]^L, one gate per channel, from the token itself.
         self.envelope = nn.Linear(head_dim, channels) if envelope else None
@@ -248,6 +257,11 @@ class LunaFeatureMap(FeatureMap):
             feats = self.psi(u) / math.sqrt(self.projections)  # [B, H, N, M, L]
         if self.envelope is not None:
             feats = feats * torch.sigmoid(self.envelope(x))[..., None, :]
+        if self.feature_norm == "channel":
+            # Each channel's features sum to 1 over the projections (per token): with exp channels
+            # exp(+-u) and W = I this is Hedgehog's pair of softmaxes; for keys it stops a key's
+            # overall size from deciding its weight (for queries it cancels in the normalisation).
+            feats = feats / (feats.sum(-2, keepdim=True) + FEATURE_NORM_EPS)
         return feats.flatten(-2)
 
 

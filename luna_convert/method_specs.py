@@ -25,7 +25,7 @@ METHODS: dict[str, Method] = {
             "LUNA: learned projections + a bank of learned scalar channel functions, DWC branch (Shahbazi et al. 2025)",
             {"projections": 8, "channels": 8, "hidden": 64, "shared_channels": False, "envelope": False,
              "channel_bank": "mlp", "channel_init": "random", "per_head_projections": False,
-             "projection_init": "random",
+             "projection_init": "random", "feature_norm": "none", "exp_rate": 0.5,
              "dwc": True, "dwc_kernel": 3},
         ),
         Method("t2r", "t2r", "T2R: ReLU(Wx + b) features, finetune only (Kasai et al. 2021)",
