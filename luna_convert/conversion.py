@@ -9,7 +9,8 @@ from typing import Callable
 
 from torch import nn
 
-from .adapters import attention_like_classes, find_adapter, linearize, vision_grid, LinearizedAttention
+from .adapters import (attention_like_classes, check_no_position_biases, find_adapter, linearize, patch_grid,
+                       LinearizedAttention)
 from .attention import LinearAttention
 from .errors import ConversionError
 from .method_specs import ATTENTION_OPTIONS, get_method
@@ -95,7 +96,7 @@ def convert(
     resolved = resolve_options(method, options)
     attn_opts = {k: resolved[k] for k in ATTENTION_OPTIONS if k in resolved}
     map_opts = {k: v for k, v in resolved.items() if k not in ATTENTION_OPTIONS}
-    grid = vision_grid(model)
+    grid = patch_grid(model)
 
     targets = [(name, module, adapter) for name, module in model.named_modules()
                if (adapter := find_adapter(module)) is not None and (filter_fn is None or filter_fn(module, name))]
@@ -107,6 +108,7 @@ def convert(
             "positions in transformers BERT-family (DistilBERT too) and ViT models and timm VisionTransformer "
             "(causal/decoder, cross-attention, rotary and relative-position attention are not)"
         )
+    check_no_position_biases(model)
 
     # Build every replacement before touching the model, so that bad option values
     # (e.g. an odd channel count for the fourier bank) leave the model unconverted.

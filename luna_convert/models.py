@@ -64,11 +64,38 @@ def _offline_hint(source: str, error: Exception) -> LunaConvertError:
     )
 
 
-def _image_config_from_processor(processor) -> dict:
-    size = getattr(processor, "size", None) or {}
-    side = size.get("height") or size.get("shortest_edge") or 224 if isinstance(size, dict) else size
-    return {"mean": tuple(getattr(processor, "image_mean", IMAGENET_MEAN)),
-            "std": tuple(getattr(processor, "image_std", IMAGENET_STD)), "size": int(side)}
+def _square_side(size) -> int | None:
+    """The side of the square an image processor's ``size``/``crop_size`` asks for, or None.
+
+    transformers 4 gives a dict, 5 a ``SizeDict`` (attributes), older processors an int;
+    ``shortest_edge`` processors resize the short side to it.
+    """
+    if isinstance(size, bool) or size is None:
+        return None
+    if isinstance(size, (int, float)):
+        return int(size)
+    read = size.get if isinstance(size, dict) else lambda key: getattr(size, key, None)
+    height, width, shortest = read("height"), read("width"), read("shortest_edge")
+    if height and width:
+        if int(height) != int(width):
+            raise ValueError(f"non-square size {height}x{width}")
+        return int(height)
+    return int(shortest) if shortest else None
+
+
+def _image_config_from_processor(processor, source: str) -> dict:
+    where = f"the image processor in {source} (preprocessor_config.json)"
+    try:
+        cropped = _square_side(getattr(processor, "crop_size", None)) if getattr(processor, "do_center_crop", False) else None
+        side = cropped or _square_side(getattr(processor, "size", None))
+    except (TypeError, ValueError) as e:
+        raise LunaConvertError(f"cannot use {where}: {e}; luna-convert feeds square images, set "
+                               '"size": {"height": N, "width": N} there') from None
+    if side is None:
+        raise LunaConvertError(f"cannot read the image size from {where} (size={getattr(processor, 'size', None)!r}); "
+                               'set "size": {"height": N, "width": N} there')
+    return {"mean": tuple(getattr(processor, "image_mean", None) or IMAGENET_MEAN),
+            "std": tuple(getattr(processor, "image_std", None) or IMAGENET_STD), "size": side}
 
 
 def _timm_image_config(model: nn.Module) -> dict:
@@ -80,6 +107,27 @@ def _timm_image_config(model: nn.Module) -> dict:
 
 def _is_vision_config(config) -> bool:
     return hasattr(config, "image_size") and hasattr(config, "patch_size")
+
+
+def example_inputs(model: nn.Module) -> tuple[tuple, dict]:
+    """A made-up batch of one input, as (args, kwargs) for ``model``'s forward: an image of the
+    model's configured size (timm or transformers ViT) or a few token ids (text)."""
+    import torch
+
+    ref = next(model.parameters())
+    g = torch.Generator().manual_seed(0)
+    config = getattr(model, "config", None)
+    if config is None:  # timm: forward(x)
+        patch_embed = model.patch_embed
+        image = torch.randn(1, patch_embed.proj.in_channels, *patch_embed.img_size, generator=g)
+        return (image.to(ref),), {}
+    if _is_vision_config(config):
+        size = config.image_size if isinstance(config.image_size, (list, tuple)) else (config.image_size,) * 2
+        image = torch.randn(1, getattr(config, "num_channels", 3), *size, generator=g)
+        return (), {"pixel_values": image.to(ref)}
+    tokens = min(8, getattr(config, "max_position_embeddings", None) or 8)
+    ids = torch.randint(0, config.vocab_size, (1, tokens), generator=g)
+    return (), {"input_ids": ids.to(ref.device)}
 
 
 def load_model(source: str, num_labels: int | None = None) -> LoadedModel:
@@ -176,10 +224,12 @@ def _with_transformers_preprocessing(model: nn.Module, files, source: str) -> Lo
     if _is_vision_config(model.config):
         try:
             processor = transformers.AutoImageProcessor.from_pretrained(files)
-            image_config = _image_config_from_processor(processor)
-        except (OSError, ValueError):
-            processor, size = None, model.config.image_size
-            image_config = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "size": int(size)}
+        except (OSError, ValueError):  # no processor saved: the model's own size, ViT's usual normalisation
+            processor = None
+        if processor is not None:
+            image_config = _image_config_from_processor(processor, source)
+        else:
+            image_config = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "size": int(model.config.image_size)}
         return LoadedModel(model, "image", image_processor=processor, image_config=image_config, source=source)
     if Path(files).is_dir() and not any((Path(files) / name).is_file() for name in TOKENIZER_FILES):
         # transformers 5 would build a vocabulary-less tokenizer here: every word [UNK], silently
