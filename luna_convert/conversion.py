@@ -97,6 +97,7 @@ def convert(
     attn_opts = {k: resolved[k] for k in ATTENTION_OPTIONS if k in resolved}
     map_opts = {k: v for k, v in resolved.items() if k not in ATTENTION_OPTIONS}
     grid = patch_grid(model)
+    check_no_position_biases(model)
 
     targets = [(name, module, adapter) for name, module in model.named_modules()
                if (adapter := find_adapter(module)) is not None and (filter_fn is None or filter_fn(module, name))]
@@ -108,7 +109,6 @@ def convert(
             "positions in transformers BERT-family (DistilBERT too) and ViT models and timm VisionTransformer "
             "(causal/decoder, cross-attention, rotary and relative-position attention are not)"
         )
-    check_no_position_biases(model)
 
     # Build every replacement before touching the model, so that bad option values
     # (e.g. an odd channel count for the fourier bank) leave the model unconverted.
