@@ -387,12 +387,25 @@ _POSITION_BIAS_NAMES = ("relative_position", "rel_pos", "relative_attention_bias
 
 def check_no_position_biases(model: nn.Module) -> None:
     """Refuse a model whose attention adds relative-position biases: linear attention cannot apply them."""
-    found = [name for name, _ in (*model.named_parameters(), *model.named_buffers())
-             if any(part in name.rsplit(".", 1)[-1] for part in _POSITION_BIAS_NAMES)]
+    modules = dict(model.named_modules())
+    found = []
+    for name, _ in (*model.named_parameters(), *model.named_buffers()):
+        if not any(part in name.rsplit(".", 1)[-1] for part in _POSITION_BIAS_NAMES):
+            continue
+        parents = [modules[name.rsplit(".", 1)[0] if "." in name else ""]]
+        parents += [modules[prefix] for prefix in _prefixes(name)]
+        owner = next((m for m in parents if "attention" in type(m).__name__.lower()), parents[0])
+        found.append(f"{name} in {type(owner).__name__}")
     if found:
-        raise ConversionError(f"{type(model).__name__} adds relative-position biases to attention ({', '.join(found[:3])}"
-                              f"{', ...' if len(found) > 3 else ''}), which linear attention cannot apply; only "
+        raise ConversionError(f"{type(model).__name__} adds relative-position biases to attention ({', '.join(found[:2])}"
+                              f"{', ...' if len(found) > 2 else ''}), which linear attention cannot apply; only "
                               "attention with absolute positions can be converted")
+
+
+def _prefixes(name: str) -> list[str]:
+    """Module paths above a tensor, nearest first: "a.b.c.w" -> ["a.b", "a"]."""
+    parts = name.split(".")[:-1]
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
 
 
 def linearized_class(base: type, mixin: type) -> type:
