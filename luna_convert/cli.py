@@ -39,7 +39,7 @@ class DefaultRunGroup(TyperGroup):
 
         try:
             return super().invoke(ctx)
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, typer.Exit, typer.Abort):
             raise
         except Exception as e:  # noqa: BLE001 - every other failure is a bug: say so on one line
             if DEBUG["on"]:

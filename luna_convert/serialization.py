@@ -46,7 +46,8 @@ def _model_spec(model: nn.Module) -> dict:
     if type(model).__module__.startswith("timm.") or hasattr(model, TIMM_ARGS_ATTR):
         return {"library": "timm", **timm_create_args(model)}
     raise LunaConvertError(
-        f"cannot record how to rebuild {type(model).__name__}: save a timm or transformers model"
+        f"cannot record how to rebuild {type(model).__name__}: save a transformers model or a timm ViT "
+        "(from timm.create_model or luna_convert.create_timm_model)"
     )
 
 

@@ -170,3 +170,21 @@ def test_an_additive_score_bias_in_the_mask_is_refused():
     bias[0, 0, 1, 2] = 0.25
     with pytest.raises(ValueError, match="adds biases to the scores"):
         key_padding_mask(bias)
+
+
+def test_vision_model_without_a_patch_embedding_conv_refuses_dwc_only():
+    """Without the patch-embedding convolution nothing tells DWC the grid of an input: refused, not guessed."""
+    model = make_timm_vit()
+    model.patch_embed.proj = nn.Identity()  # e.g. patches cut by a custom layer
+    with pytest.raises(ConversionError, match="cannot find the patch-embedding convolution.*dwc=False"):
+        convert(model, "luna")
+    assert not is_converted(model)
+    convert(model, "luna", dwc=False)  # no DWC, no grid needed
+    assert is_converted(model)
+
+
+def test_dwc_refuses_inputs_with_dropped_patches():
+    model = make_timm_vit(patch_drop_rate=0.5).train()
+    convert(model, "luna")
+    with pytest.raises(ValueError, match=r"cannot hold the 4x4 patch grid"):
+        model(torch.randn(2, 3, IMAGE, IMAGE))
