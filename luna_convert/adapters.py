@@ -392,20 +392,14 @@ def check_no_position_biases(model: nn.Module) -> None:
     for name, _ in (*model.named_parameters(), *model.named_buffers()):
         if not any(part in name.rsplit(".", 1)[-1] for part in _POSITION_BIAS_NAMES):
             continue
-        parents = [modules[name.rsplit(".", 1)[0] if "." in name else ""]]
-        parents += [modules[prefix] for prefix in _prefixes(name)]
-        owner = next((m for m in parents if "attention" in type(m).__name__.lower()), parents[0])
+        path = name.split(".")[:-1]
+        owners = [modules[".".join(path[:i])] for i in range(len(path), -1, -1)]  # nearest first
+        owner = next((m for m in owners if "attention" in type(m).__name__.lower()), owners[0])
         found.append(f"{name} in {type(owner).__name__}")
     if found:
         raise ConversionError(f"{type(model).__name__} adds relative-position biases to attention ({', '.join(found[:2])}"
                               f"{', ...' if len(found) > 2 else ''}), which linear attention cannot apply; only "
                               "attention with absolute positions can be converted")
-
-
-def _prefixes(name: str) -> list[str]:
-    """Module paths above a tensor, nearest first: "a.b.c.w" -> ["a.b", "a"]."""
-    parts = name.split(".")[:-1]
-    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
 
 
 def linearized_class(base: type, mixin: type) -> type:

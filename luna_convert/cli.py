@@ -37,9 +37,12 @@ class DefaultRunGroup(TyperGroup):
     def invoke(self, ctx):
         import click
 
+        # usage errors and exits of typer (which vendors click since 0.2x) and of click itself
+        passthrough = (typer.Exit, typer.Abort, typer.exceptions.TyperException, click.exceptions.ClickException,
+                       click.exceptions.Exit, click.exceptions.Abort)
         try:
             return super().invoke(ctx)
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, typer.Exit, typer.Abort):
+        except passthrough:
             raise
         except Exception as e:  # noqa: BLE001 - every other failure is a bug: say so on one line
             if DEBUG["on"]:

@@ -73,6 +73,8 @@ def timm_create_args(model: nn.Module) -> dict:
     import timm
     import torch
 
+    from .attention import LinearAttention
+
     def build(**kwargs) -> nn.Module:
         with torch.device("meta"):  # shapes only: no memory, no initialisation cost
             return timm.create_model(name, pretrained=False, **kwargs)
@@ -83,8 +85,6 @@ def timm_create_args(model: nn.Module) -> dict:
                                "VisionTransformer); create it with luna_convert.create_timm_model(...) so they are recorded")
     default = _vit_constructor_args(build())
     args = {k: v for k, v in read.items() if default is None or default.get(k) != v}  # only what the user changed
-    from .attention import LinearAttention
-
     added = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, LinearAttention))  # by conversion
     expected = {k: tuple(t.shape) for k, t in model.state_dict().items() if not k.startswith(added)}
     rebuilt = {k: tuple(t.shape) for k, t in build(**args).state_dict().items()}
