@@ -18,7 +18,6 @@ Adapters, chosen by class name and attributes (never by module path):
 from __future__ import annotations
 
 import inspect
-import math
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -64,6 +63,9 @@ def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
         keep = mask > 0  # 0/1 (or 0/positive) key-padding mask
     else:  # additive
         keep = mask > _ADDITIVE_DROP
+        if bool((keep & (mask != 0)).any()):  # neither keep (0) nor drop: a score bias
+            raise ValueError("the attention mask adds biases to the scores (e.g. a relative-position bias), not only "
+                             "key padding; linear attention cannot apply them")
     if keep.dim() == 4:
         keep = keep[:, 0]  # the head axis is 1 (or repeats the same pattern)
     if keep.dim() == 3:
@@ -88,20 +90,48 @@ def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if bool(keep.all()) else keep
 
 
-def _square_grid(num_tokens: int, grid: tuple[int, int] | None) -> tuple[tuple[int, int], int]:
-    """The patch grid and prefix count for a token sequence: the configured grid
-    if it fits, else the largest square grid (a different image size)."""
-    if grid is not None and grid[0] * grid[1] <= num_tokens and num_tokens - grid[0] * grid[1] <= 16:
-        return grid, num_tokens - grid[0] * grid[1]
-    side = math.isqrt(num_tokens)
-    return (side, side), num_tokens - side * side
+class PatchGrid:
+    """The patch grid of the image a ViT is running on, for the DWC branch of its converted attention.
+
+    A forward hook on the model's patch-embedding convolution records the grid of every input, so
+    another resolution (transformers' ``interpolate_pos_encoding``, timm's ``dynamic_img_size``) and
+    non-square images get their true grid; the model's converted attention modules share this
+    object. Tokens before the grid (CLS, registers, distillation token) are the prefix.
+    """
+
+    def __init__(self, configured: tuple[int, int], source: nn.Module | None):
+        self.configured = configured
+        self.current: tuple[int, int] | None = None  # the grid of the latest input
+        self._source = source  # hooked on ``attach`` (then dropped, so copies do not hook it twice)
+        self._attached = False
+
+    def attach(self) -> None:
+        if self._attached:
+            return
+        if self._source is None:
+            raise ConversionError("cannot find the patch-embedding convolution of this vision model, which tells the "
+                                  "DWC branch the patch grid of each image; convert with dwc=False")
+        self._source.register_forward_hook(self._record)
+        self._source, self._attached = None, True
+
+    def _record(self, module, inputs, output) -> None:
+        self.current = (int(output.shape[-2]), int(output.shape[-1]))
+
+    def layout(self, num_tokens: int) -> tuple[tuple[int, int], int]:
+        """(grid, number of prefix tokens) of a sequence of ``num_tokens`` tokens."""
+        gh, gw = self.current or self.configured
+        prefix = num_tokens - gh * gw
+        if prefix < 0:
+            raise ValueError(f"DWC: {num_tokens} tokens cannot hold the {gh}x{gw} patch grid of this input (tokens "
+                             "dropped, e.g. by patch dropout?); the depthwise convolution needs every patch")
+        return (gh, gw), prefix
 
 
 class LinearizedAttention:
     """Marker mixin shared by every converted attention class."""
 
     linear_attn: LinearAttention
-    patch_grid: tuple[int, int] | None = None
+    patch_grid: PatchGrid | None = None
     _original_forward_params: tuple[str, ...] = ()  # set per class by ``linearized_class``
 
     def _call_arguments(self, args: tuple, kwargs: dict) -> dict:
@@ -115,7 +145,7 @@ class LinearizedAttention:
         b, _, n, _ = q.shape
         key_mask = key_padding_mask(mask)
         if self.linear_attn.dwc is not None and self.linear_attn.dwc.spatial:
-            grid, prefix = _square_grid(n, self.patch_grid)
+            grid, prefix = self.patch_grid.layout(n)
             out = self.linear_attn(q, k, v, key_mask, grid, prefix)
         else:
             out = self.linear_attn(q, k, v, key_mask)
@@ -220,6 +250,20 @@ class Adapter:
     mixin: type
     matches: Callable[[nn.Module], bool]
     heads: Callable[[nn.Module], tuple[int, int, float]]  # (num_heads, head_dim, softmax scale)
+    members: frozenset[str]  # the submodules its forward reads (dropouts aside); anything else is refused
+
+
+def unknown_members(module: nn.Module, adapter: Adapter) -> list[str]:
+    """What ``module`` holds that ``adapter``'s forward would ignore: its own parameters and buffers,
+    and the tensors (or, if it has none, the names) of submodules other than the adapter's and dropouts.
+    A relative-position bias table, for one, would silently stop taking part in attention."""
+    names = [name for name, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))]
+    for child_name, child in module.named_children():
+        if child_name in adapter.members or isinstance(child, (nn.Dropout, nn.Identity)):
+            continue
+        tensors = [f"{child_name}.{name}" for name, _ in (*child.named_parameters(), *child.named_buffers())]
+        names += tensors or [child_name]
+    return names
 
 
 def _has_linears(module: nn.Module, *names: str) -> bool:
@@ -284,6 +328,7 @@ ADAPTERS = [
         and _absolute_positions(m)
         and _plain_hf_forward(m),
         lambda m: (m.num_attention_heads, m.attention_head_size, m.attention_head_size**-0.5),
+        frozenset({"query", "key", "value"}),
     ),
     Adapter(
         "hf-proj",
@@ -295,6 +340,7 @@ ADAPTERS = [
         and not getattr(m, "is_causal", True)
         and _plain_hf_forward(m),
         lambda m: (m.num_attention_heads, m.head_dim, m.scaling),
+        frozenset({"q_proj", "k_proj", "v_proj", "o_proj"}),
     ),
     Adapter(
         "hf-lin",
@@ -305,12 +351,14 @@ ADAPTERS = [
         and _is_self_attention(m)
         and set(_forward_params(type(m), positional=False)) <= _PLAIN_HF_ARGS | {"key", "value", "mask"},
         lambda m: (m.n_heads, m.attention_head_size, m.attention_head_size**-0.5),
+        frozenset({"q_lin", "k_lin", "v_lin", "out_lin"}),
     ),
     Adapter(
         "timm",
         TimmFusedQKV,
         lambda m: _is_plain_timm_attention(m) and _has_linears(m, "qkv", "proj"),
         lambda m: (m.num_heads, m.head_dim, m.scale),
+        frozenset({"qkv", "q_norm", "k_norm", "norm", "proj", "gate"}),
     ),
 ]
 
@@ -318,9 +366,40 @@ _LINEAR_CLASSES: dict[tuple[type, type], type] = {}
 
 
 def find_adapter(module: nn.Module) -> Adapter | None:
+    """The adapter for a softmax self-attention module, None for any other module; raises
+    ConversionError for attention an adapter matches but cannot convert faithfully."""
     if isinstance(module, LinearizedAttention):
         return None
-    return next((a for a in ADAPTERS if a.matches(module)), None)
+    adapter = next((a for a in ADAPTERS if a.matches(module)), None)
+    unknown = unknown_members(module, adapter) if adapter is not None else []
+    if unknown:
+        raise ConversionError(
+            f"{type(module).__name__} holds {', '.join(unknown[:4])}, which linear attention would ignore (its "
+            f"{adapter.name} adapter reads only {', '.join(sorted(adapter.members))}); this attention (e.g. with a "
+            "relative-position bias) cannot be converted faithfully")
+    return adapter
+
+
+# Parameter and buffer names of relative-position biases, wherever a model keeps them (BEiT on
+# transformers 5 computes its bias in the layer and passes it to attention as an additive mask).
+_POSITION_BIAS_NAMES = ("relative_position", "rel_pos", "relative_attention_bias")
+
+
+def check_no_position_biases(model: nn.Module) -> None:
+    """Refuse a model whose attention adds relative-position biases: linear attention cannot apply them."""
+    modules = dict(model.named_modules())
+    found = []
+    for name, _ in (*model.named_parameters(), *model.named_buffers()):
+        if not any(part in name.rsplit(".", 1)[-1] for part in _POSITION_BIAS_NAMES):
+            continue
+        path = name.split(".")[:-1]
+        owners = [modules[".".join(path[:i])] for i in range(len(path), -1, -1)]  # nearest first
+        owner = next((m for m in owners if "attention" in type(m).__name__.lower()), owners[0])
+        found.append(f"{name} in {type(owner).__name__}")
+    if found:
+        raise ConversionError(f"{type(model).__name__} adds relative-position biases to attention ({', '.join(found[:2])}"
+                              f"{', ...' if len(found) > 2 else ''}), which linear attention cannot apply; only "
+                              "attention with absolute positions can be converted")
 
 
 def linearized_class(base: type, mixin: type) -> type:
@@ -332,15 +411,18 @@ def linearized_class(base: type, mixin: type) -> type:
     return _LINEAR_CLASSES[key]
 
 
-def linearize(module: nn.Module, adapter: Adapter, linear_attn: LinearAttention, patch_grid=None) -> None:
+def linearize(module: nn.Module, adapter: Adapter, linear_attn: LinearAttention,
+              patch_grid: PatchGrid | None = None) -> None:
     """Re-class ``module`` in place and attach ``linear_attn``; parameters are untouched."""
+    if linear_attn.dwc is not None and linear_attn.dwc.spatial:
+        patch_grid.attach()  # may refuse (no patch embedding found): before the module changes
     module.__class__ = linearized_class(type(module), adapter.mixin)
     module.linear_attn = linear_attn
     module.patch_grid = patch_grid
 
 
 def vision_grid(model: nn.Module) -> tuple[int, int] | None:
-    """The patch grid of a ViT (timm or transformers), or None for a text model."""
+    """The patch grid of a ViT (timm or transformers) at its configured image size, or None for a text model."""
     patch_embed = getattr(model, "patch_embed", None)
     if patch_embed is not None and getattr(patch_embed, "grid_size", None) is not None:
         return tuple(patch_embed.grid_size)
@@ -351,6 +433,21 @@ def vision_grid(model: nn.Module) -> tuple[int, int] | None:
     pair = lambda x: tuple(x) if isinstance(x, (list, tuple)) else (x, x)  # noqa: E731
     (ih, iw), (ph, pw) = pair(image_size), pair(patch_size)
     return ih // ph, iw // pw
+
+
+def _patch_embedding_conv(model: nn.Module) -> nn.Module | None:
+    """The convolution that cuts a ViT's image into patches (its output is the patch grid)."""
+    timm_proj = getattr(getattr(model, "patch_embed", None), "proj", None)
+    if isinstance(timm_proj, nn.Conv2d):
+        return timm_proj
+    return next((m for name, m in model.named_modules()
+                 if isinstance(m, nn.Conv2d) and "embed" in name and m.stride == m.kernel_size), None)
+
+
+def patch_grid(model: nn.Module) -> PatchGrid | None:
+    """What tells a vision model's DWC branch the patch grid of each input; None for a text model."""
+    configured = vision_grid(model)
+    return None if configured is None else PatchGrid(configured, _patch_embedding_conv(model))
 
 
 def attention_like_classes(model: nn.Module) -> list[str]:

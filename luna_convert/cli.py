@@ -1,8 +1,8 @@
 """``luna-convert``: a thin command line over the Python API.
 
 Heavy libraries are imported inside commands so ``--help`` answers at once.
-Errors the user can fix (LunaConvertError) print one line and exit 2;
-``--debug`` shows the traceback instead.
+Errors the user can fix (LunaConvertError) print one line and exit 2; any other exception
+prints one line naming what failed and exits 1; ``--debug`` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -22,12 +22,57 @@ err_console = Console(stderr=True)
 
 
 class DefaultRunGroup(TyperGroup):
-    """``luna-convert RECIPE ...`` means ``luna-convert run RECIPE ...``."""
+    """``luna-convert RECIPE ...`` means ``luna-convert run RECIPE ...``; an unexpected exception in any
+    command becomes one line (what failed, where, and to rerun with --debug) instead of a traceback."""
 
     def resolve_command(self, ctx, args):
         if args and args[0] not in self.commands and not args[0].startswith("-"):
             args = ["run", *args]
         return super().resolve_command(ctx, args)
+
+    def parse_args(self, ctx, args):
+        ctx.meta["luna_convert.args"] = list(args)  # for naming the model/files in an unexpected error
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx):
+        import click
+
+        # usage errors and exits of typer (which vendors click since 0.2x) and of click itself
+        passthrough = (typer.Exit, typer.Abort, typer.exceptions.TyperException, click.exceptions.ClickException,
+                       click.exceptions.Exit, click.exceptions.Abort)
+        try:
+            return super().invoke(ctx)
+        except passthrough:
+            raise
+        except Exception as e:  # noqa: BLE001 - every other failure is a bug: say so on one line
+            if DEBUG["on"]:
+                raise
+            err_console.print(f"[red]error:[/] {escape(unexpected_error_line(e, ctx.meta.get('luna_convert.args', [])))}",
+                              highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+
+# What an unexpected error names as its subject, from the command line: the model and files given.
+_SUBJECT_OPTIONS = {"--model": "model", "--resume": "run", "--data-dir": "data", "--image": "image"}
+
+
+def unexpected_error_line(error: BaseException, args: list[str]) -> str:
+    """One line for a failure that is not a LunaConvertError: the command and what it was run on,
+    the exception, the file it concerns (if it says) and the code line that raised it."""
+    import traceback
+
+    command = next((a for a in args if not a.startswith("-")), "")
+    subject = [f"{_SUBJECT_OPTIONS[a]} {args[i + 1]}" for i, a in enumerate(args[:-1]) if a in _SUBJECT_OPTIONS]
+    if not subject:  # e.g. `eval PATH`, `attention-map PATH`, `run RECIPE`
+        positional = [a for a in args[1:] if not a.startswith("-")]
+        subject = positional[:1]
+    file = getattr(error, "filename", None)
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    reason = (str(error).strip().splitlines() or [""])[0][:300]
+    return (f"luna-convert {command}{' on ' + ', '.join(subject) if subject else ''} failed unexpectedly: "
+            f"{type(error).__name__}: {reason}{f' (file {file})' if file else ''}{where}. "
+            "This is a bug in luna-convert, not in your input: rerun with --debug to see the traceback, and report it")
 
 
 app = typer.Typer(
@@ -44,7 +89,7 @@ DEBUG = {"on": False}
 
 @app.callback()
 def _main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")) -> None:
-    DEBUG["on"] = debug or DEBUG["on"]
+    DEBUG["on"] = debug
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # The libraries' own tqdm bars (loading/writing weights) would interleave with ours and with
     # one-line error messages; read by huggingface_hub/transformers when they are first imported.
@@ -405,9 +450,9 @@ def _guard(fn):
 
 
 def main() -> None:
-    if "--debug" in sys.argv[1:]:  # accepted anywhere on the line
+    if "--debug" in sys.argv[2:]:  # accepted anywhere on the line: moved to where the group option goes
         sys.argv.remove("--debug")
-        DEBUG["on"] = True
+        sys.argv.insert(1, "--debug")
     app()
 
 

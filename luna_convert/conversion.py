@@ -9,7 +9,8 @@ from typing import Callable
 
 from torch import nn
 
-from .adapters import attention_like_classes, find_adapter, linearize, vision_grid, LinearizedAttention
+from .adapters import (attention_like_classes, check_no_position_biases, find_adapter, linearize, patch_grid,
+                       LinearizedAttention)
 from .attention import LinearAttention
 from .errors import ConversionError
 from .method_specs import ATTENTION_OPTIONS, get_method
@@ -95,7 +96,8 @@ def convert(
     resolved = resolve_options(method, options)
     attn_opts = {k: resolved[k] for k in ATTENTION_OPTIONS if k in resolved}
     map_opts = {k: v for k, v in resolved.items() if k not in ATTENTION_OPTIONS}
-    grid = vision_grid(model)
+    grid = patch_grid(model)
+    check_no_position_biases(model)
 
     targets = [(name, module, adapter) for name, module in model.named_modules()
                if (adapter := find_adapter(module)) is not None and (filter_fn is None or filter_fn(module, name))]

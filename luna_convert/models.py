@@ -56,6 +56,73 @@ def create_timm_model(model_name: str, pretrained: bool = False, checkpoint_path
     return model
 
 
+def timm_create_args(model: nn.Module) -> dict:
+    """``model_name`` and the constructor arguments that rebuild a timm ViT with the same tensors.
+
+    Models made by :func:`create_timm_model` carry them; for a plain ``timm.create_model(...)``
+    they are read back from the model (its architecture name from ``pretrained_cfg``) and
+    checked by building that architecture on the meta device and comparing every tensor shape.
+    """
+    recorded = getattr(model, TIMM_ARGS_ATTR, None)
+    if recorded is not None:
+        return dict(recorded)
+    name = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
+    if not name:
+        raise LunaConvertError(f"cannot tell which timm architecture {type(model).__name__} is (no "
+                               "pretrained_cfg['architecture']); create it with luna_convert.create_timm_model(...)")
+    import timm
+    import torch
+
+    from .attention import LinearAttention
+
+    def build(**kwargs) -> nn.Module:
+        with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+            return timm.create_model(name, pretrained=False, **kwargs)
+
+    read = _vit_constructor_args(model)
+    if read is None:
+        raise LunaConvertError(f"cannot read the constructor arguments of timm {name} ({type(model).__name__}, not a "
+                               "VisionTransformer); create it with luna_convert.create_timm_model(...) so they are recorded")
+    default = _vit_constructor_args(build())
+    args = {k: v for k, v in read.items() if default is None or default.get(k) != v}  # only what the user changed
+    added = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, LinearAttention))  # by conversion
+    expected = {k: tuple(t.shape) for k, t in model.state_dict().items() if not k.startswith(added)}
+    rebuilt = {k: tuple(t.shape) for k, t in build(**args).state_dict().items()}
+    if rebuilt != expected:
+        diff = sorted(set(expected) ^ set(rebuilt)) or [k for k in expected if expected[k] != rebuilt[k]]
+        raise LunaConvertError(f"cannot rebuild this timm {name} from its attributes ({diff[0]} differs); create it "
+                               "with luna_convert.create_timm_model(...) so its arguments are recorded")
+    return {"model_name": name, **args}
+
+
+def _vit_constructor_args(model: nn.Module) -> dict | None:
+    """The shape-changing ``VisionTransformer`` arguments as the model's modules show them, or None."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    if not isinstance(model, VisionTransformer) or not len(model.blocks):
+        return None
+    patch_embed, block = model.patch_embed, model.blocks[0]
+    attn, mlp = block.attn, block.mlp
+    has = lambda module: not isinstance(module, nn.Identity)  # noqa: E731
+    fc1 = getattr(mlp, "fc1", None)
+    return {
+        "img_size": list(patch_embed.img_size) if patch_embed.img_size is not None else None,
+        "patch_size": list(patch_embed.patch_size), "in_chans": model.in_chans, "num_classes": model.num_classes,
+        "global_pool": model.global_pool, "embed_dim": model.embed_dim, "depth": len(model.blocks),
+        "num_heads": attn.num_heads,
+        "mlp_ratio": fc1.out_features / model.embed_dim if isinstance(fc1, nn.Linear) else None,
+        "qkv_bias": attn.qkv.bias is not None, "qk_norm": has(attn.q_norm), "scale_attn_norm": has(attn.norm),
+        "proj_bias": attn.proj.bias is not None,
+        # a LayerScale's value is a saved tensor: any value recreates the parameter
+        "init_values": 1e-5 if has(block.ls1) else None,
+        "class_token": model.has_class_token, "pos_embed": "learn" if model.pos_embed is not None else "none",
+        "no_embed_class": model.no_embed_class, "reg_tokens": model.num_reg_tokens, "pre_norm": has(model.norm_pre),
+        "final_norm": has(model.norm) or has(model.fc_norm), "fc_norm": has(model.fc_norm), "dynamic_img_size": model.dynamic_img_size,
+        "dynamic_img_pad": getattr(patch_embed, "dynamic_img_pad", False),
+        "pool_include_prefix": getattr(model, "pool_include_prefix", False),
+    }
+
+
 def _offline_hint(source: str, error: Exception) -> LunaConvertError:
     return LunaConvertError(
         f"cannot load model {source!r} ({type(error).__name__}: {str(error).splitlines()[0][:160]}). "
@@ -64,11 +131,38 @@ def _offline_hint(source: str, error: Exception) -> LunaConvertError:
     )
 
 
-def _image_config_from_processor(processor) -> dict:
-    size = getattr(processor, "size", None) or {}
-    side = size.get("height") or size.get("shortest_edge") or 224 if isinstance(size, dict) else size
-    return {"mean": tuple(getattr(processor, "image_mean", IMAGENET_MEAN)),
-            "std": tuple(getattr(processor, "image_std", IMAGENET_STD)), "size": int(side)}
+def _square_side(size) -> int | None:
+    """The side of the square an image processor's ``size``/``crop_size`` asks for, or None.
+
+    transformers 4 gives a dict, 5 a ``SizeDict`` (attributes), older processors an int;
+    ``shortest_edge`` processors resize the short side to it.
+    """
+    if isinstance(size, bool) or size is None:
+        return None
+    if isinstance(size, (int, float)):
+        return int(size)
+    read = size.get if isinstance(size, dict) else lambda key: getattr(size, key, None)
+    height, width, shortest = read("height"), read("width"), read("shortest_edge")
+    if height and width:
+        if int(height) != int(width):
+            raise ValueError(f"non-square size {height}x{width}")
+        return int(height)
+    return int(shortest) if shortest else None
+
+
+def _image_config_from_processor(processor, source: str) -> dict:
+    where = f"the image processor in {source} (preprocessor_config.json)"
+    try:
+        cropped = _square_side(getattr(processor, "crop_size", None)) if getattr(processor, "do_center_crop", False) else None
+        side = cropped or _square_side(getattr(processor, "size", None))
+    except (TypeError, ValueError) as e:
+        raise LunaConvertError(f"cannot use {where}: {e}; luna-convert feeds square images, set "
+                               '"size": {"height": N, "width": N} there') from None
+    if side is None:
+        raise LunaConvertError(f"cannot read the image size from {where} (size={getattr(processor, 'size', None)!r}); "
+                               'set "size": {"height": N, "width": N} there')
+    return {"mean": tuple(getattr(processor, "image_mean", None) or IMAGENET_MEAN),
+            "std": tuple(getattr(processor, "image_std", None) or IMAGENET_STD), "size": side}
 
 
 def _timm_image_config(model: nn.Module) -> dict:
@@ -80,6 +174,27 @@ def _timm_image_config(model: nn.Module) -> dict:
 
 def _is_vision_config(config) -> bool:
     return hasattr(config, "image_size") and hasattr(config, "patch_size")
+
+
+def example_inputs(model: nn.Module) -> tuple[tuple, dict]:
+    """A made-up batch of one input, as (args, kwargs) for ``model``'s forward: an image of the
+    model's configured size (timm or transformers ViT) or a few token ids (text)."""
+    import torch
+
+    ref = next(model.parameters())
+    g = torch.Generator().manual_seed(0)
+    config = getattr(model, "config", None)
+    if config is None:  # timm: forward(x)
+        patch_embed = model.patch_embed
+        image = torch.randn(1, patch_embed.proj.in_channels, *patch_embed.img_size, generator=g)
+        return (image.to(ref),), {}
+    if _is_vision_config(config):
+        size = config.image_size if isinstance(config.image_size, (list, tuple)) else (config.image_size,) * 2
+        image = torch.randn(1, getattr(config, "num_channels", 3), *size, generator=g)
+        return (), {"pixel_values": image.to(ref)}
+    tokens = min(8, getattr(config, "max_position_embeddings", None) or 8)
+    ids = torch.randint(0, config.vocab_size, (1, tokens), generator=g)
+    return (), {"input_ids": ids.to(ref.device)}
 
 
 def load_model(source: str, num_labels: int | None = None) -> LoadedModel:
@@ -176,10 +291,12 @@ def _with_transformers_preprocessing(model: nn.Module, files, source: str) -> Lo
     if _is_vision_config(model.config):
         try:
             processor = transformers.AutoImageProcessor.from_pretrained(files)
-            image_config = _image_config_from_processor(processor)
-        except (OSError, ValueError):
-            processor, size = None, model.config.image_size
-            image_config = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "size": int(size)}
+        except (OSError, ValueError):  # no processor saved: the model's own size, ViT's usual normalisation
+            processor = None
+        if processor is not None:
+            image_config = _image_config_from_processor(processor, source)
+        else:
+            image_config = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "size": int(model.config.image_size)}
         return LoadedModel(model, "image", image_processor=processor, image_config=image_config, source=source)
     if Path(files).is_dir() and not any((Path(files) / name).is_file() for name in TOKENIZER_FILES):
         # transformers 5 would build a vocabulary-less tokenizer here: every word [UNK], silently

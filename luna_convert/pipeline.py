@@ -476,33 +476,39 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
 
 
 def _check_convertible(model, method: str, options: dict) -> None:
-    """Dry-run the conversion (forward included) on a copy of one attention module, so that a model
-    without supported attention or bad method options fail before the run folder is written."""
+    """Dry-run the conversion on the model as the run will use it, so that a model without supported
+    attention, attention that cannot be converted faithfully, or bad method options fail before the
+    run folder is written: a copy of the model that shares its weights (only the module structure is
+    copied) gets its first attention module converted and runs one forward pass on a made-up input."""
     import copy
 
     import torch
 
-    from .adapters import find_adapter
-    from .conversion import linear_attention_modules
     from .errors import ConversionError
+    from .models import example_inputs
 
-    target = next((m for m in model.modules() if find_adapter(m) is not None), None)
-    if target is None:
-        convert(model, method, **options)  # raises the explanatory ConversionError, model untouched
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    probe = copy.deepcopy(model, memo=shared).eval()
+    chosen: list[str] = []
+
+    def first_only(_module, name: str) -> bool:
+        if not chosen:
+            chosen.append(name)
+        return name == chosen[0]
+
     with torch.random.fork_rng(devices=[]):  # the run's seeded RNG stream stays as it is
-        probe = copy.deepcopy(target)
-        convert(probe, method, **options)
-        attn = linear_attention_modules(probe)[0]
-        ref = next(probe.parameters())
-        g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, attn.num_heads, 4, attn.head_dim, generator=g).to(ref) for _ in range(3))
+        convert(probe, method, filter_fn=first_only, **options)  # raises the explanatory ConversionError
+        args, kwargs = example_inputs(probe)
         try:
             with torch.no_grad():
-                attn(q, k, v)
+                probe(*args, **kwargs)
         except (RuntimeError, ValueError, TypeError) as e:
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise ConversionError(f"method {method!r} cannot run with options {options} ({reason}); fix "
-                                  "--set method_options... (defaults: `luna-convert methods`)") from None
+            what = f"method {method!r}" + (f" with options {options}" if options else "")
+            hint = ("fix --set method_options... (defaults: `luna-convert methods`)" if options else
+                    "this model cannot be converted with it (rerun with --debug to see where it failed)")
+            raise ConversionError(f"{what} cannot run on {type(model).__name__} (test forward of {chosen[0]}: "
+                                  f"{reason}); {hint}") from e
 
 
 def _logger(accelerator, run_dir: Path):

@@ -21,7 +21,7 @@ from torch import nn
 from .conversion import CONFIG_ATTR, convert
 from .errors import LunaConvertError
 from .fileio import atomic_directory, atomic_write_json
-from .models import TIMM_ARGS_ATTR
+from .models import TIMM_ARGS_ATTR, timm_create_args
 
 CONVERSION_FILE = "linear_attention.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -41,13 +41,13 @@ def library_versions() -> dict[str, str]:
 
 
 def _model_spec(model: nn.Module) -> dict:
-    if hasattr(model, TIMM_ARGS_ATTR):
-        return {"library": "timm", **getattr(model, TIMM_ARGS_ATTR)}
     if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
         return {"library": "transformers", "class": type(model).__name__}
+    if type(model).__module__.startswith("timm.") or hasattr(model, TIMM_ARGS_ATTR):
+        return {"library": "timm", **timm_create_args(model)}
     raise LunaConvertError(
-        f"cannot record how to rebuild {type(model).__name__}: create timm models with "
-        "luna_convert.create_timm_model(...) or use a transformers model"
+        f"cannot record how to rebuild {type(model).__name__}: save a transformers model or a timm ViT "
+        "(from timm.create_model or luna_convert.create_timm_model)"
     )
 
 
