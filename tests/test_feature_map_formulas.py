@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from luna_convert.attention import LinearAttention
-from luna_convert.feature_maps import FEATURE_MAPS
+from luna_convert.layers.attention import LinearAttention
+from luna_convert.linear_methods import FEATURE_MAPS
 
 HEAD_DIM, HEADS, TOKENS = 6, 2, 5
 # Float64 throughout. Measured max |library - formula|: luna 2.1e-14 (its features reach ~100 with
@@ -87,7 +87,7 @@ def test_feature_map_equals_its_formula(name):
     formula, prescale, variants = FORMULAS[name]
     for options in variants:
         g = torch.Generator().manual_seed(0)
-        layer = LinearAttention(name, HEAD_DIM, HEADS, HEAD_DIM**-0.5, **options).double()
+        layer = LinearAttention(name, HEAD_DIM, HEADS, HEAD_DIM**-0.5, **{"dwc": False, **options}).double()
         randomise(layer, g)
         q, k = (2 * torch.randn(1, HEADS, TOKENS, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(2))
         phi_k = layer.phi_k or layer.phi_q
