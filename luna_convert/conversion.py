@@ -73,7 +73,8 @@ def resolve_options(method: str, options: dict) -> dict:
     unknown = set(options) - set(spec.defaults)
     if unknown:
         valid = sorted(spec.defaults)
-        close = sorted({c for name in unknown for c in difflib.get_close_matches(name, valid, n=2)})
+        # closest first (get_close_matches' order), each once
+        close = list(dict.fromkeys(c for name in sorted(unknown) for c in difflib.get_close_matches(name, valid, n=2)))
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise ConversionError(f"unknown option(s) {sorted(unknown)} for method {method!r}.{hint} Valid: {valid}")
     try:
