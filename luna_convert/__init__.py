@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "convert": "conversion", "is_converted": "conversion", "ConversionConfig": "conversion",
     "ConversionReport": "conversion",
-    "methods": "method_specs", "METHODS": "method_specs", "FEATURE_MAPS": "feature_maps",
+    "methods": "linear_methods", "METHODS": "linear_methods", "FEATURE_MAPS": "linear_methods",
     "save": "serialization", "load": "serialization", "create_timm_model": "models",
     "LunaConvertError": "errors", "ConversionError": "errors", "UnknownNameError": "errors",
 }

@@ -25,9 +25,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .attention import LinearAttention
 from .errors import ConversionError
-from .linear_attention import softmax_attention_weights
+from .layers.attention import LinearAttention
+from .ops.reference import softmax_attention_weights
 
 
 # An additive mask value at or below this removes the key from softmax exactly

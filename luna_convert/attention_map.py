@@ -104,7 +104,7 @@ def attention_rows(captured: dict, query_index: int | None = 0) -> tuple[np.ndar
     ([H, N], [H, N]). ``query_index`` None averages the rows of all real queries."""
     import torch
 
-    from .linear_attention import softmax_attention_weights
+    from .ops.reference import softmax_attention_weights
 
     module, q, k, mask = captured["module"], captured["q"], captured["k"], captured["key_mask"]
     with torch.no_grad():

@@ -6,7 +6,7 @@ One entry point, :func:`run_benchmark`. It measures
    ``torch.nn.functional.scaled_dot_product_attention``, an eager softmax with
    the N x N matrix (``softmax-eager``, short lengths only, a memory reference)
    and every method in ``luna_convert.METHODS`` as a
-   :class:`~luna_convert.attention.LinearAttention` built with the method's
+   :class:`~luna_convert.layers.attention.LinearAttention` built with the method's
    feature map and defaults (plus ``luna-nodwc``, LUNA's feature maps and
    linear attention without the DWC branch). For each
    sequence length: forward time (no grad), forward+backward time (q, k, v and
@@ -203,8 +203,7 @@ def _layer_modules(methods: Sequence[str], device, heads: int, head_dim: int):
     """name -> callable(q, k, v) for softmax (SDPA), eager softmax and every linear method; and the modules."""
     import torch.nn.functional as F
 
-    from .attention import LinearAttention
-    from .method_specs import METHODS
+    from .layers.attention import LinearAttention
 
     layers, modules = {}, {}
     for name in methods:
@@ -215,8 +214,7 @@ def _layer_modules(methods: Sequence[str], device, heads: int, head_dim: int):
             layers[name] = _eager_softmax
             continue
         base, options = (("luna", {"dwc": False}) if name == LUNA_CORE else (name, {}))
-        spec = METHODS[base]
-        module = LinearAttention(spec.feature_map, head_dim, heads, head_dim**-0.5, **{**spec.defaults, **options}).to(device)
+        module = LinearAttention(base, head_dim, heads, head_dim**-0.5, **options).to(device)
         layers[name] = module
         modules[name] = module
     return layers, modules
@@ -707,7 +705,7 @@ def run_benchmark(
     import torch
     from rich.console import Console
 
-    from .method_specs import METHODS
+    from .linear_methods import METHODS
 
     console = console or Console()
     output_dir = Path(output_dir)

@@ -107,7 +107,7 @@ def _overrides(cli: dict, sets: List[str]) -> dict:
 @app.command()
 def run(
     recipe: Optional[str] = typer.Argument(None, help="Recipe name (see `luna-convert recipes`) or a YAML file."),
-    method: Optional[str] = typer.Option(None, "--method", "-m", help="luna, t2r, t2r-hh or hedgehog."),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="A registered method; `luna-convert methods` lists them."),
     model: Optional[str] = typer.Option(None, "--model", help="Hub id, local folder or timm:<name>."),
     task: Optional[str] = typer.Option(None, "--task", help="Task name (GLUE task, imagenet, digits, ...); own data: "
                                        "text-classification, text-pair-classification, text-regression, "
@@ -279,12 +279,27 @@ def recipes() -> None:
 
 
 @app.command()
-def methods() -> None:
-    """List the conversion methods."""
-    from .method_specs import methods as list_methods
+def methods(
+    details: bool = typer.Option(False, "--details", help="Also each method's paper, kind, recipe, options with "
+                                 "defaults, and what is confirmed vs derived."),
+) -> None:
+    """List the conversion methods (from the registry, luna_convert.linear_methods)."""
+    from .linear_methods import METHODS
+    from rich.padding import Padding
 
-    for name, description in list_methods().items():
-        console.print(f"[bold]{name:<10}[/] {escape(description)}")
+    from .linear_methods.base import option_table
+
+    for name, spec in METHODS.items():
+        console.print(f"[bold]{name:<10}[/] {escape(spec.description)}")
+        if not details:
+            continue
+        recipe = "distil attention, then finetune" if spec.distill else "finetune (no distillation)"
+        console.print(f"  paper:  {escape(spec.paper)}\n  kind:   {spec.kind}\n  recipe: {recipe}"
+                      + "".join(f"; {k}={v}" for k, v in spec.recipe.items()))
+        console.print("  options (--set method_options.NAME=VALUE):")
+        for option, default, text in option_table(spec.options):
+            console.print(f"    {option:<22} {escape(repr(default)):<10} {escape(text)}")
+        console.print(Padding(escape(" ".join(spec.details.split())), (0, 0, 1, 2)))
 
 
 @app.command()

@@ -30,7 +30,7 @@ def run_dir_for(folder: Path, method: str, seed: int) -> Path:
 def run_compare(config: dict, methods: list[str], seeds: list[int], folder: Path, control: bool = True,
                 console=None) -> dict:
     """Run every method (and the control) for every seed into ``folder``; returns compare.json's content."""
-    from .method_specs import get_method
+    from .linear_methods.registry import get_method
 
     for method in methods:
         get_method(method)  # an unknown name fails before any run starts

@@ -11,9 +11,9 @@ from torch import nn
 
 from .adapters import (attention_like_classes, check_no_position_biases, find_adapter, linearize, patch_grid,
                        LinearizedAttention)
-from .attention import LinearAttention
 from .errors import ConversionError
-from .method_specs import ATTENTION_OPTIONS, get_method
+from .layers.attention import LinearAttention
+from .linear_methods.registry import get_method
 
 CONFIG_ATTR = "linear_attention_config"  # set on a converted model; read by save() and the pipeline
 
@@ -67,15 +67,22 @@ def is_converted(model: nn.Module) -> bool:
 
 
 def resolve_options(method: str, options: dict) -> dict:
-    """The method's defaults updated with ``options``; unknown keys are an error."""
+    """Every option of ``method``: its defaults updated with ``options`` and validated (the method's
+    options dataclass); an unknown key or a bad value is a ConversionError. Also fills in the keys
+    that a folder saved by an older version lacks."""
     spec = get_method(method)
-    unknown = set(options) - set(spec.defaults) - set(ATTENTION_OPTIONS)
+    unknown = set(options) - set(spec.defaults)
     if unknown:
-        valid = sorted(set(spec.defaults) | set(ATTENTION_OPTIONS))
-        close = sorted({c for name in unknown for c in difflib.get_close_matches(name, valid, n=2)})
+        valid = sorted(spec.defaults)
+        # closest first (get_close_matches' order), each once
+        close = list(dict.fromkeys(c for name in sorted(unknown) for c in difflib.get_close_matches(name, valid, n=2)))
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise ConversionError(f"unknown option(s) {sorted(unknown)} for method {method!r}.{hint} Valid: {valid}")
-    return {**spec.defaults, **options}
+    try:
+        return spec.make_options(**options).to_dict()
+    except (ValueError, TypeError) as e:
+        raise ConversionError(f"invalid options for method {method!r} ({e}); see `luna-convert methods --details`"
+                              ) from None
 
 
 def convert(
@@ -88,14 +95,11 @@ def convert(
 
     ``filter_fn(module, name)`` restricts the targets (default: every supported
     self-attention). ``options`` override the method's defaults
-    (see ``luna_convert.METHODS[method].defaults``).
+    (see ``luna_convert.METHODS[method].defaults`` or ``luna-convert methods --details``).
     """
     if is_converted(model):
         raise ConversionError("this model is already converted to linear attention; convert the original checkpoint instead")
-    spec = get_method(method)
     resolved = resolve_options(method, options)
-    attn_opts = {k: resolved[k] for k in ATTENTION_OPTIONS if k in resolved}
-    map_opts = {k: v for k, v in resolved.items() if k not in ATTENTION_OPTIONS}
     grid = patch_grid(model)
     check_no_position_biases(model)
 
@@ -117,11 +121,11 @@ def convert(
         num_heads, head_dim, scale = adapter.heads(module)
         ref = next(module.parameters())
         try:
-            linear_attn = LinearAttention(spec.feature_map, head_dim, num_heads, scale, spatial=grid is not None,
-                                          **attn_opts, **map_opts).to(device=ref.device, dtype=ref.dtype)
+            linear_attn = LinearAttention(method, head_dim, num_heads, scale, spatial=grid is not None,
+                                          **resolved).to(device=ref.device, dtype=ref.dtype)
         except (ValueError, TypeError, RuntimeError) as e:  # RuntimeError: torch refusing e.g. a negative size
-            raise ConversionError(f"invalid options for method {method!r} ({e}); see luna_convert.METHODS"
-                                  f"[{method!r}].defaults") from None
+            raise ConversionError(f"invalid options for method {method!r} ({e}); see `luna-convert methods "
+                                  "--details`") from None
         built.append((name, module, adapter, linear_attn, num_heads, head_dim))
 
     replaced = []
@@ -140,6 +144,6 @@ def linear_attention_modules(model: nn.Module) -> list[LinearAttention]:
 
 
 def feature_map_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The feature maps' parameters: what attention distillation trains (DWC gets no gradient there)."""
-    return [p for m in linear_attention_modules(model) for fm in (m.phi_q, m.phi_k) if fm is not None
-            for p in fm.parameters()]
+    """The methods' parameters (feature maps or kernels): what attention distillation trains (DWC gets no
+    gradient there)."""
+    return [p for m in linear_attention_modules(model) for p in m.method_parameters()]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .autoconfig import task_for
 from .fileio import atomic_write_text
-from .method_specs import methods
+from .linear_methods.registry import methods
 from .metrics import recovered_pct
 from .recipes import available_recipes, load_recipe
 from .report import RESULTS_FILE

@@ -73,7 +73,7 @@ def timm_create_args(model: nn.Module) -> dict:
     import timm
     import torch
 
-    from .attention import LinearAttention
+    from .layers.attention import LinearAttention
 
     def build(**kwargs) -> nn.Module:
         with torch.device("meta"):  # shapes only: no memory, no initialisation cost

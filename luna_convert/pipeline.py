@@ -16,7 +16,7 @@ from .autoconfig import check_positions, needs_resolution, resolve_own_data, tas
 from .conversion import convert, is_converted
 from .errors import LunaConvertError
 from .fileio import atomic_write_json
-from .method_specs import get_method
+from .linear_methods.registry import get_method
 from .metrics import recovered_pct
 from .model_card import MODEL_CARD_FILE, write_model_card
 from .plots import CURVES_FILE, write_curves

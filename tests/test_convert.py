@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from luna_convert.adapters import LinearizedAttention, key_padding_mask
-from luna_convert.attention import LinearAttention
+from luna_convert.layers.attention import LinearAttention
 from luna_convert.conversion import CONFIG_ATTR, convert, feature_map_parameters, is_converted, linear_attention_modules
 from luna_convert.errors import ConversionError, LunaConvertError, UnknownNameError
-from luna_convert.method_specs import METHODS as METHOD_SPECS
+from luna_convert.linear_methods import METHODS as METHOD_SPECS
 
 from conftest import (ARCHITECTURES, HEADS, HIDDEN, LAYERS, VOCAB, example_inputs, logits_of, make_bert,
                       make_distilbert)
@@ -391,6 +391,6 @@ def test_package_exports_are_the_functions_after_submodule_imports():
     # The lazy exports must not be shadowed by submodules of the same name.
     import luna_convert
     import luna_convert.conversion  # noqa: F401  (what any internal import does)
-    import luna_convert.method_specs  # noqa: F401
+    import luna_convert.linear_methods  # noqa: F401
 
     assert callable(luna_convert.convert) and callable(luna_convert.methods)

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from luna_convert.attention import LinearAttention
-from luna_convert.feature_maps import FEATURE_MAPS
+from luna_convert.layers.attention import LinearAttention
+from luna_convert.linear_methods import FEATURE_MAPS
 
 HEAD_DIM, HEADS, TOKENS = 6, 2, 5
 # Float64 throughout. Measured max |library - formula|: luna 2.1e-14 (its features reach ~100 with
@@ -33,10 +33,15 @@ def luna_formula(fm, x):
     """phi(x) = h(x)/sqrt(M) [psi_l(w_i.x + b_i)]_{i<=M, l<=L}, i outer, l inner;
     psi_l(u) = relu(sum_h w2[l, h] relu(w1[r, h] u + b1[r, h]) + b2[l]) with r = l (r = 0 when shared);
     h(x) = sigmoid(E x + c), one gate per channel l (1 without an envelope)."""
-    w, b = fm.proj.weight, fm.proj.bias
     psi = fm.psi
-    m, channels = w.shape[0], psi.w2.shape[0]
-    u = torch.stack([x @ w[i] + b[i] for i in range(m)], -1)  # [..., M]
+    if fm.proj is not None:  # one W, b for every head
+        w, b = fm.proj.weight, fm.proj.bias
+        m = w.shape[0]
+        u = torch.stack([x @ w[i] + b[i] for i in range(m)], -1)  # [..., M]
+    else:  # per_head_projections: W_h [d, M], b_h [1, M]
+        m = fm.head_proj_weight.shape[-1]
+        u = torch.stack([x[:, h] @ fm.head_proj_weight[h] + fm.head_proj_bias[h] for h in range(x.shape[1])], 1)
+    channels = psi.w2.shape[0]
     per_channel = []
     for ch in range(channels):
         r = 0 if psi.w1.shape[0] == 1 else ch
@@ -45,7 +50,10 @@ def luna_formula(fm, x):
     feats = torch.stack(per_channel, -1)  # [..., M, L]
     if fm.envelope is not None:
         feats = feats / (1 + torch.exp(-(x @ fm.envelope.weight.T + fm.envelope.bias)))[..., None, :]
-    return feats.reshape(*x.shape[:-1], m * channels) / math.sqrt(m)
+    feats = feats / math.sqrt(m)
+    if fm.options.feature_norm == "channel":  # channel l of token x: psi_l(u_i) / sum_i' psi_l(u_i'), sums to 1
+        feats = feats / (feats.sum(-2, keepdim=True) + 1e-6)
+    return feats.reshape(*x.shape[:-1], m * channels)
 
 
 def t2r_formula(fm, x):
@@ -66,7 +74,9 @@ def hedgehog_formula(fm, x):
 FORMULAS = {
     "luna": (luna_formula, False, [{}, {"fast": False}, {"shared_channels": True},
                                    {"shared_channels": True, "fast": False}, {"envelope": True},
-                                   {"projections": 3, "channels": 5, "hidden": 7}]),
+                                   {"projections": 3, "channels": 5, "hidden": 7},
+                                   {"per_head_projections": True, "feature_norm": "channel"},
+                                   {"per_head_projections": True, "feature_norm": "channel", "fast": False}]),
     "t2r": (t2r_formula, True, [{}, {"feature_dim": 9}]),
     "t2r-hh": (t2r_formula, True, [{}]),
     "hedgehog": (hedgehog_formula, False, [{}]),
@@ -87,7 +97,7 @@ def test_feature_map_equals_its_formula(name):
     formula, prescale, variants = FORMULAS[name]
     for options in variants:
         g = torch.Generator().manual_seed(0)
-        layer = LinearAttention(name, HEAD_DIM, HEADS, HEAD_DIM**-0.5, **options).double()
+        layer = LinearAttention(name, HEAD_DIM, HEADS, HEAD_DIM**-0.5, **{"dwc": False, **options}).double()
         randomise(layer, g)
         q, k = (2 * torch.randn(1, HEADS, TOKENS, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(2))
         phi_k = layer.phi_k or layer.phi_q

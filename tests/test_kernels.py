@@ -1,4 +1,5 @@
-"""The fast LUNA channel bank (luna_convert.kernels) against the reference ScalarChannels.forward."""
+"""The fast LUNA channel bank (linear_methods.luna_kernel) against the reference ScalarChannels.forward,
+and the generic fast ops (ops.linear, ops.dwc, ops.streamed) against their references."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import math
 import pytest
 import torch
 
-from luna_convert import kernels
-from luna_convert.attention import LinearAttention
-from luna_convert.feature_maps import LunaFeatureMap, ScalarChannels
-from luna_convert.kernels import _Locator, channel_tables, scalar_channels
-from luna_convert.linear_attention import linear_attention, linear_attention_weights
+from luna_convert.layers.attention import LinearAttention
+from luna_convert.linear_methods import luna_kernel
+from luna_convert.linear_methods.luna import LunaFeatureMap, ScalarChannels
+from luna_convert.linear_methods.luna_kernel import KnotLocator, channel_tables, scalar_channels
+from luna_convert.ops import dwc, streamed
+from luna_convert.ops.linear import linear_attention, linear_attention_core
+from luna_convert.ops.reference import linear_attention_weights
 
 
 def _bank(shared: bool, channels: int = 8, hidden: int = 64, dtype=torch.float32, seed: int = 0) -> ScalarChannels:
@@ -81,12 +84,12 @@ def test_locator_matches_searchsorted():
     torch.manual_seed(0)
     knots = torch.cat([torch.randn(300), torch.randn(200) * 100, torch.tensor([float("-inf"), float("inf"), float("inf")])])
     knots = knots.sort().values
-    loc = _Locator(knots, use_grid=True)
+    loc = KnotLocator(knots, use_grid=True)
     assert loc.start is not None  # the grid path, not the fallback
     u = torch.cat([torch.randn(5000) * 3, torch.randn(1000) * 300, knots[1:-2], torch.tensor([float("inf"), float("-inf")])])
     assert torch.equal(loc(u), torch.searchsorted(knots, u))
     crowded = torch.zeros(64)  # every knot in one cell: falls back to searchsorted
-    loc = _Locator(crowded, use_grid=True)
+    loc = KnotLocator(crowded, use_grid=True)
     assert loc.start is None
     assert torch.equal(loc(u), torch.searchsorted(crowded, u))
 
@@ -183,7 +186,7 @@ def test_linear_attention_matches_explicit_form_and_gives_contiguous_feature_gra
 
 def test_chunking_boundaries(monkeypatch):
     psi = _bank(True)
-    monkeypatch.setattr(kernels, "CPU_CHUNK", 7)
+    monkeypatch.setattr(luna_kernel, "CPU_CHUNK", 7)
     u = torch.randn(5, 9, requires_grad=True)  # 45 scalars: 7 chunks, the last one short
     out = scalar_channels(u, psi)
     torch.testing.assert_close(out, psi(u), rtol=0, atol=1e-6)  # measured 1.8e-7
@@ -213,10 +216,10 @@ def test_linear_attention_core_gradcheck_and_partial_grads():
     phi_q = torch.rand(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)
     phi_k = torch.rand(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 2, 6, 3, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b, c: kernels.linear_attention_core(a, b, c, 1e-6), (phi_q, phi_k, v))
+    assert torch.autograd.gradcheck(lambda a, b, c: linear_attention_core(a, b, c, 1e-6), (phi_q, phi_k, v))
     # Only v needs a gradient (frozen features): the other gradients are skipped, v's is right.
     fq, fk = phi_q.detach(), phi_k.detach()
-    (gv,) = torch.autograd.grad(kernels.linear_attention_core(fq, fk, v, 1e-6).sum(), [v])
+    (gv,) = torch.autograd.grad(linear_attention_core(fq, fk, v, 1e-6).sum(), [v])
     (ref,) = torch.autograd.grad((linear_attention_weights(fq, fk).double() @ v).sum(), [v])
     torch.testing.assert_close(gv, ref, rtol=0, atol=2e-15)  # measured 2.2e-16
 
@@ -233,14 +236,14 @@ def test_depthwise_conv_tokens_matches_torch_conv(grid, kernel):
     lead = x.shape[:2]
     xc = x.reshape(-1, *grid, channels).movedim(-1, 1)
     ref = conv(xc).movedim(1, -1).reshape(*lead, *grid, channels)
-    out = kernels.depthwise_conv_tokens(x, conv.weight, conv.bias)
+    out = dwc.depthwise_conv_tokens(x, conv.weight, conv.bias)
     torch.testing.assert_close(out, ref, rtol=0, atol=4e-15)  # measured 4.4e-16
     g = torch.randn_like(ref)
     params = [x, conv.weight, conv.bias]
     for a, b in zip(_grads(out, params, g), _grads(ref, params, g)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13)  # measured 1.6e-14 (weight gradients up to 31)
     small = torch.randn(1, 2, *grid, channels, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, w, b: kernels.depthwise_conv_tokens(a, w, b), (small, conv.weight, conv.bias))
+    assert torch.autograd.gradcheck(lambda a, w, b: dwc.depthwise_conv_tokens(a, w, b), (small, conv.weight, conv.bias))
 
 
 def test_tables_cached_under_inference_mode_are_not_saved_for_backward():
@@ -284,13 +287,13 @@ def test_streamed_backward_table_scope_is_per_thread():
     import threading
 
     torch.manual_seed(0)
-    layer = LinearAttention("luna", 8, 2, 8**-0.5).train()
+    layer = LinearAttention("luna", 8, 2, 8**-0.5, dwc=False).train()  # the attention alone
     params = list(layer.parameters())
     q, k, v = (torch.randn(1, 2, 20, 8) for _ in range(3))
     b_inside, b_release, a_inside = threading.Event(), threading.Event(), threading.Event()
 
     def gradients(phi):
-        out = kernels.streamed_linear_attention(q, k, v, phi, layer.key_features, params, chunk=8)
+        out = streamed.streamed_linear_attention(q, k, v, phi, layer.key_features, params, chunk=8)
         return torch.autograd.grad(out.square().sum(), params)
 
     def phi_a(x):

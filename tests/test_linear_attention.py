@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from luna_convert.attention import DepthwiseConvBranch, LinearAttention
-from luna_convert.feature_maps import FEATURE_MAPS, build_feature_map
-from luna_convert.kernels import streamed_linear_attention
-from luna_convert.linear_attention import (
+from luna_convert.layers.attention import DepthwiseConvBranch, LinearAttention
+from luna_convert.linear_methods import FEATURE_MAPS, build_feature_map
+from luna_convert.ops.linear import linear_attention
+from luna_convert.ops.reference import (
     EPS,
     attention_distillation_loss,
-    linear_attention,
     linear_attention_weights,
     softmax_attention_weights,
 )
+from luna_convert.ops.streamed import streamed_linear_attention
 
 MAPS = sorted(FEATURE_MAPS)
 
@@ -44,6 +44,7 @@ def random_padding(batch: int, n: int, generator: torch.Generator) -> torch.Tens
 
 def make_layer(name: str, head_dim: int, heads: int, seed: int = 0, **kw) -> LinearAttention:
     torch.manual_seed(seed)  # the maps' random init: the measured errors in the tolerances are for these
+    kw.setdefault("dwc", False)  # the attention alone unless a test asks for the branch (LUNA's default has it)
     return LinearAttention(name, head_dim, heads, head_dim**-0.5, **kw).eval()
 
 
@@ -425,8 +426,8 @@ def test_stream_chunk_policy():
 
 
 def test_layer_takes_the_streamed_path_only_where_policy_says(monkeypatch):
-    """The layer's forward routes long inputs through kernels.streamed_linear_attention (and agrees with the plain path)."""
-    import luna_convert.attention as attention
+    """The layer's forward routes long inputs through ops.streamed.streamed_linear_attention (and agrees with the plain path)."""
+    import luna_convert.layers.attention as attention
 
     calls = []
     real = attention.streamed_linear_attention
@@ -451,7 +452,7 @@ def test_layer_takes_the_streamed_path_only_where_policy_says(monkeypatch):
 @pytest.mark.parametrize("name", MAPS + ["luna-reference"])
 @pytest.mark.parametrize("inputs_need_grad", [True, False])
 def test_streamed_path_matches_plain_values_and_gradients(name, inputs_need_grad):
-    """kernels.streamed_linear_attention against the plain layer: output and every gradient."""
+    """ops.streamed.streamed_linear_attention against the plain layer: output and every gradient."""
     g = torch.Generator().manual_seed(12)
     layer = make_layer("luna", 8, 3, fast=False) if name == "luna-reference" else make_layer(name, 8, 3)
     layer.train().stream_min_bytes = 1 << 62

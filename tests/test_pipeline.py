@@ -209,7 +209,7 @@ def test_two_process_cpu_run_counts_every_example_once(text_setup, tmp_path):
 
 def test_every_shipped_recipe_loads_and_names_a_known_method_and_task():
     """Hub recipes cannot run offline; at least their contents are checked here."""
-    from luna_convert.method_specs import METHODS
+    from luna_convert.linear_methods import METHODS
     from luna_convert.recipes import available_recipes
     from luna_convert.tasks import get_task
 

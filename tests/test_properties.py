@@ -7,9 +7,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from luna_convert.adapters import key_padding_mask
-from luna_convert.attention import LinearAttention
-from luna_convert.feature_maps import FEATURE_MAPS
-from luna_convert.linear_attention import EPS, linear_attention, linear_attention_weights
+from luna_convert.layers.attention import LinearAttention
+from luna_convert.linear_methods import FEATURE_MAPS
+from luna_convert.ops.linear import linear_attention
+from luna_convert.ops.reference import EPS, linear_attention_weights
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -31,7 +32,7 @@ def attention_inputs(draw, dtypes=(torch.float32,)):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (scale * torch.randn(b, h, n, d, generator=g) for _ in range(3))
     torch.manual_seed(seed)
-    layer = LinearAttention(name, d, h, d**-0.5).eval()
+    layer = LinearAttention(name, d, h, d**-0.5, dwc=False).eval()
     return layer, q, k, v, mask, dtype
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from luna_convert.attention import LinearAttention
-from luna_convert.feature_maps import EXP_INIT_SPAN, LunaFeatureMap, ScalarChannels, exp_rates
+from luna_convert.layers.attention import LinearAttention
+from luna_convert.linear_methods.luna import EXP_INIT_SPAN, LunaFeatureMap, ScalarChannels, exp_rates
 from luna_convert.pipeline import run_conversion
 from luna_convert.training import parameter_groups
 from test_pipeline import config_for, write_bert_checkpoint, write_sst2

@@ -259,7 +259,7 @@ def test_huge_learning_rate_stops_with_one_line(text_setup, tmp_path):
 
 
 def test_non_finite_distillation_loss_stops_with_one_line(text_setup, tmp_path, monkeypatch):
-    from luna_convert import attention
+    from luna_convert.layers import attention
 
     model_dir, data_dir = text_setup
     real = attention.attention_distillation_loss

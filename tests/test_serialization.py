@@ -10,7 +10,7 @@ import torch
 
 from luna_convert.conversion import CONFIG_ATTR, convert, is_converted, linear_attention_modules
 from luna_convert.errors import LunaConvertError
-from luna_convert.method_specs import METHODS
+from luna_convert.linear_methods import METHODS
 from luna_convert.serialization import CONVERSION_FILE, WEIGHTS_FILE, load, read_metadata, save
 
 from conftest import ARCHITECTURES, LAYERS, example_inputs, logits_of, make_bert

@@ -1,61 +1,42 @@
-"""Feature maps phi: R^d -> R^D for kernel (linear) attention.
+"""LUNA: Linear Universal Neural Attention (Shahbazi et al. 2025; the seed paper, Eq. 11 and Listing 1).
 
-One small module per map, registered by name. Every map takes per-head
-inputs shaped [batch, heads, tokens, head_dim] and returns non-negative
-features shaped [batch, heads, tokens, D].
-
-Class attributes tell the attention module how to use a map:
-  shared_qk      one map for queries and keys (False: a second copy for keys)
-  prescale_query multiply q by head_dim**-0.5 before the map (T2R)
-  stream_when_training  long inputs go through the map in chunks of tokens
-                 (``kernels.streamed_linear_attention``) at inference always (maps
-                 must be token-wise), and in training too unless this is False
+phi(x) = h(x)/sqrt(M) * [psi_l(w_i^T x + b_i)]_{i <= M, l <= L}: M learned projections, each
+passed through a bank of L learned non-negative scalar functions psi_l (small ReLU MLPs), plus a
+depthwise-convolution branch on V. Not "Luna: Linear Unified Nested Attention" (Ma et al. 2021).
 """
 
 from __future__ import annotations
 
-import abc
 import math
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-FEATURE_MAPS: dict[str, type["FeatureMap"]] = {}
+from ..ops.context import AttentionContext
+from .base import AttentionOptions, FeatureMap, Method, check_choice, check_positive_int, option
+from .luna_kernel import scalar_channels
+from .registry import register
 
-
-def register_feature_map(name: str) -> Callable[[type], type]:
-    def wrap(cls: type) -> type:
-        FEATURE_MAPS[name] = cls
-        cls.name = name
-        return cls
-
-    return wrap
-
-
-class FeatureMap(nn.Module, abc.ABC):
-    name: str = ""
-    shared_qk: bool = True
-    prescale_query: bool = False
-    stream_when_training: bool = True
-
-    def __init__(self, head_dim: int, num_heads: int):
-        super().__init__()
-        self.head_dim = head_dim
-        self.num_heads = num_heads
-
-    @property
-    @abc.abstractmethod
-    def feature_dim(self) -> int:
-        """D, the number of features per head."""
-
-
-# --------------------------------------------------------------------------- LUNA
 # channel_init "exp": the channels interpolate exp(c u) on [-EXP_INIT_SPAN, EXP_INIT_SPAN].
 EXP_INIT_SPAN = 4.0
+CHANNEL_INITS = ("random", "exp")
+PROJECTION_INITS = ("random", "identity")
+FEATURE_NORMS = ("none", "channel")
 # feature_norm "channel": keeps a token whose channel is zero on every projection at zero features.
 FEATURE_NORM_EPS = 1e-6
+
+
+def check_channel_init(init: str, shared: bool) -> None:
+    check_choice("channel_init", init, CHANNEL_INITS)
+    if init == "exp" and shared:
+        raise ValueError("channel_init 'exp' needs one hidden layer per channel (shared_channels false)")
+
+
+def check_fourier_channels(channels: int) -> None:
+    if channels % 2:
+        raise ValueError("the fourier channel bank needs an even number of channels L")
 
 
 def exp_rates(channels: int, base: float = 0.5) -> torch.Tensor:
@@ -74,13 +55,14 @@ class ScalarChannels(nn.Module):
     produces all channels from a single hidden layer.
 
     Each channel is piecewise linear in u with ``hidden`` breakpoints; the
-    fast path in :mod:`luna_convert.kernels` uses that fact. ``forward`` here
-    is the plain reference.
+    fast path in :mod:`luna_convert.linear_methods.luna_kernel` uses that fact.
+    ``forward`` here is the plain reference.
     """
 
     def __init__(self, channels: int, hidden: int, shared: bool = False, init: str = "random",
                  exp_rate: float = 0.5):
         super().__init__()
+        check_channel_init(init, shared)
         self.channels, self.hidden, self.shared = channels, hidden, shared
         rows = 1 if shared else channels
         # Same scale as nn.Linear's default init (fan_in 1, then fan_in hidden).
@@ -90,11 +72,7 @@ class ScalarChannels(nn.Module):
         self.w2 = nn.Parameter(torch.empty(channels, hidden).uniform_(-bound, bound))
         self.b2 = nn.Parameter(torch.empty(channels).uniform_(-bound, bound))
         if init == "exp":
-            if shared:
-                raise ValueError("channel_init 'exp' needs one hidden layer per channel (shared_channels false)")
             self.init_exponential(exp_rate)
-        elif init != "random":
-            raise ValueError(f"unknown channel_init {init!r}; choose 'random' or 'exp'")
 
     @torch.no_grad()
     def init_exponential(self, base_rate: float = 0.5, span: float = EXP_INIT_SPAN) -> None:
@@ -131,10 +109,9 @@ class ScalarChannels(nn.Module):
 class FixedFourierChannels(nn.Module):
     """Ablation: fixed sin/cos features of u (random fixed frequencies)."""
 
-    def __init__(self, channels: int, **_):
+    def __init__(self, channels: int):
         super().__init__()
-        if channels % 2:
-            raise ValueError("the fourier channel bank needs an even number of channels L")
+        check_fourier_channels(channels)
         self.channels = channels
         self.register_buffer("freq", torch.randn(channels // 2))
 
@@ -148,7 +125,7 @@ class FixedFourierChannels(nn.Module):
 class BankCoefficientChannels(nn.Module):
     """Ablation: a fixed basis of non-negative scalar functions with learned global weights."""
 
-    def __init__(self, channels: int, **_):
+    def __init__(self, channels: int):
         super().__init__()
         self.channels = channels
         self.register_buffer("centres", torch.linspace(-2.0, 2.0, channels))
@@ -162,7 +139,40 @@ class BankCoefficientChannels(nn.Module):
 CHANNEL_BANKS = {"mlp": ScalarChannels, "fourier": FixedFourierChannels, "bank": BankCoefficientChannels}
 
 
-@register_feature_map("luna")
+@dataclass
+class LunaOptions(AttentionOptions):
+    dwc: bool = option(True, "depthwise-conv branch on V (part of the paper's setup; its form is derived)")
+    projections: int = option(8, "M, learned projections w_i^T x + b_i per token (paper default 8)")
+    channels: int = option(8, "L, scalar channel functions per projection; D = M x L (paper default 8)")
+    hidden: int = option(64, "hidden units of each channel MLP, i.e. its knots (paper listing: 64)")
+    shared_channels: bool = option(False, "one 1 -> hidden -> L MLP for all channels (the listing's shared variant)")
+    envelope: bool = option(False, "envelope gate h(x) in [0, 1]^L from the token (an ablated variant)")
+    channel_bank: str = option("mlp", "mlp (learned MLPs), fourier (fixed sin/cos) or bank (fixed basis, "
+                               "learned weights): the paper's ablations")
+    channel_init: str = option("random", "random (MLP default init) or exp (derived: channels start at exp(c u))")
+    per_head_projections: bool = option(False, "derived: one W, b per head (the listing shares them over heads)")
+    projection_init: str = option("random", "random (randn / sqrt(d)) or identity (derived: W = I, needs "
+                                  "projections == head_dim)")
+    exp_rate: float = option(0.5, "channel_init exp: the rates are +-exp_rate, +-2 exp_rate, ... (derived)")
+    feature_norm: str = option("none", "none, or channel (derived): each channel's features sum to 1 over the "
+                               "projections, per token (with exp(+-u) channels and W = I: Hedgehog's softmax pair)")
+    fast: bool = option(True, "evaluate the mlp bank from sorted knots (same values as the MLP, less memory)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive_int(self, "projections", "channels", "hidden")
+        check_choice("channel_bank", self.channel_bank, tuple(CHANNEL_BANKS))
+        if self.channel_init != "random" and self.channel_bank != "mlp":
+            raise ValueError(f"channel_init {self.channel_init!r} applies to channel_bank 'mlp' only")
+        check_channel_init(self.channel_init, self.shared_channels)
+        if self.channel_bank == "fourier":
+            check_fourier_channels(self.channels)
+        check_choice("projection_init", self.projection_init, PROJECTION_INITS)
+        check_choice("feature_norm", self.feature_norm, FEATURE_NORMS)
+        if not (isinstance(self.exp_rate, (int, float)) and self.exp_rate > 0):
+            raise ValueError(f"exp_rate must be a positive number, got {self.exp_rate!r}")
+
+
 class LunaFeatureMap(FeatureMap):
     """phi(x) = h(x)/sqrt(M) * [psi_l(w_i^T x + b_i)]_{i<=M, l<=L}  (LUNA, Eq. 11).
 
@@ -173,57 +183,36 @@ class LunaFeatureMap(FeatureMap):
     (see ``ScalarChannels.init_exponential``), "random" at the MLP default.
     """
 
-    def __init__(
-        self,
-        head_dim: int,
-        num_heads: int,
-        projections: int = 8,
-        channels: int = 8,
-        hidden: int = 64,
-        shared_channels: bool = False,
-        envelope: bool = False,
-        channel_bank: str = "mlp",
-        channel_init: str = "random",
-        per_head_projections: bool = False,
-        projection_init: str = "random",
-        feature_norm: str = "none",
-        exp_rate: float = 0.5,
-        fast: bool = True,
-    ):
-        super().__init__(head_dim, num_heads)
-        if channel_bank not in CHANNEL_BANKS:
-            raise ValueError(f"unknown channel_bank {channel_bank!r}; choose one of {sorted(CHANNEL_BANKS)}")
-        if channel_init != "random" and channel_bank != "mlp":
-            raise ValueError(f"channel_init {channel_init!r} applies to channel_bank 'mlp' only")
-        if feature_norm not in ("none", "channel"):
-            raise ValueError(f"unknown feature_norm {feature_norm!r}; choose 'none' or 'channel'")
-        self.feature_norm = feature_norm
-        if projection_init not in ("random", "identity"):
-            raise ValueError(f"unknown projection_init {projection_init!r}; choose 'random' or 'identity'")
-        if projection_init == "identity" and projections != head_dim:
-            raise ValueError(f"projection_init 'identity' needs projections == head_dim ({head_dim}), got {projections}")
-        self.projections, self.channels, self.fast = projections, channels, fast
-        if per_head_projections:
+    options_class = LunaOptions
+
+    def __init__(self, head_dim: int, num_heads: int, options: LunaOptions | None = None, **overrides):
+        super().__init__(head_dim, num_heads, options, **overrides)
+        o = self.options
+        if o.projection_init == "identity" and o.projections != head_dim:
+            raise ValueError(f"projection_init 'identity' needs projections == head_dim ({head_dim}), got {o.projections}")
+        self.projections, self.channels, self.fast = o.projections, o.channels, o.fast
+        if o.per_head_projections:
             # [H, d, M] and [H, 1, M]: u = x W_h + b_h per head; same init as the shared Linear.
             self.proj = None
-            self.head_proj_weight = nn.Parameter(torch.randn(num_heads, head_dim, projections) * head_dim**-0.5)
-            self.head_proj_bias = nn.Parameter(torch.zeros(num_heads, 1, projections))
+            self.head_proj_weight = nn.Parameter(torch.randn(num_heads, head_dim, o.projections) * head_dim**-0.5)
+            self.head_proj_bias = nn.Parameter(torch.zeros(num_heads, 1, o.projections))
         else:
-            self.proj = nn.Linear(head_dim, projections)
+            self.proj = nn.Linear(head_dim, o.projections)
             nn.init.normal_(self.proj.weight, std=head_dim**-0.5)
             nn.init.zeros_(self.proj.bias)
-        if projection_init == "identity":  # u = x: each projection reads one coordinate, as Hedgehog's W = I
+        if o.projection_init == "identity":  # u = x: each projection reads one coordinate, as Hedgehog's W = I
             with torch.no_grad():
                 if self.proj is None:
                     self.head_proj_weight.copy_(torch.eye(head_dim).expand(num_heads, -1, -1))
                 else:
                     self.proj.weight.copy_(torch.eye(head_dim))
-        bank = CHANNEL_BANKS[channel_bank]
-        self.psi = bank(channels=channels, hidden=hidden, shared=shared_channels, init=channel_init,
-                        exp_rate=exp_rate) \
-            if bank is ScalarChannels else bank(channels=channels)
+        if o.channel_bank == "mlp":
+            self.psi = ScalarChannels(o.channels, o.hidden, shared=o.shared_channels, init=o.channel_init,
+                                      exp_rate=o.exp_rate)
+        else:
+            self.psi = CHANNEL_BANKS[o.channel_bank](o.channels)
         # Envelope h(x) in [0, 1]^L, one gate per channel, from the token itself.
-        self.envelope = nn.Linear(head_dim, channels) if envelope else None
+        self.envelope = nn.Linear(head_dim, o.channels) if o.envelope else None
 
     @property
     def feature_dim(self) -> int:
@@ -246,18 +235,16 @@ class LunaFeatureMap(FeatureMap):
             return self.proj(x)
         return torch.matmul(x, self.head_proj_weight) + self.head_proj_bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
         u = self.project(x)  # [B, H, N, M]
         if self.uses_kernel:
-            from .kernels import scalar_channels
-
             # 1/sqrt(M) folded into the kernel's tables: no extra pass over the features.
             feats = scalar_channels(u, self.psi, scale=1.0 / math.sqrt(self.projections))
         else:
             feats = self.psi(u) / math.sqrt(self.projections)  # [B, H, N, M, L]
         if self.envelope is not None:
             feats = feats * torch.sigmoid(self.envelope(x))[..., None, :]
-        if self.feature_norm == "channel":
+        if self.options.feature_norm == "channel":
             # Each channel's features sum to 1 over the projections (per token): with exp channels
             # exp(+-u) and W = I this is Hedgehog's pair of softmaxes; for keys it stops a key's
             # overall size from deciding its weight (for queries it cancels in the normalisation).
@@ -265,55 +252,19 @@ class LunaFeatureMap(FeatureMap):
         return feats.flatten(-2)
 
 
-# ---------------------------------------------------------------------------- T2R
-@register_feature_map("t2r")
-class T2RFeatureMap(FeatureMap):
-    """phi(x) = ReLU(W x + b), one Linear(d, D) per layer shared by heads, q and k (Kasai et al. 2021)."""
-
-    prescale_query = True
-
-    def __init__(self, head_dim: int, num_heads: int, feature_dim: int = 64):
-        super().__init__(head_dim, num_heads)
-        self.proj = nn.Linear(head_dim, feature_dim)
-
-    @property
-    def feature_dim(self) -> int:
-        return self.proj.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(self.proj(x))
-
-
-@register_feature_map("t2r-hh")
-class T2RHedgehogFeatureMap(T2RFeatureMap):
-    """The T2R map, trained with Hedgehog's recipe (distil attention, then finetune)."""
-
-
-# ------------------------------------------------------------------------ Hedgehog
-@register_feature_map("hedgehog")
-class HedgehogFeatureMap(FeatureMap):
-    """phi(x) = [softmax(W x + b), softmax(-(W x + b))] per head, W = I at init (Zhang et al. 2024).
-
-    Two separate softmaxes over d (not one over 2d); separate maps for q and k.
-    """
-
-    shared_qk = False
-
-    def __init__(self, head_dim: int, num_heads: int):
-        super().__init__(head_dim, num_heads)
-        self.weight = nn.Parameter(torch.eye(head_dim).repeat(num_heads, 1, 1))  # [H, d, d]
-        self.bias = nn.Parameter(torch.zeros(num_heads, 1, head_dim))
-
-    @property
-    def feature_dim(self) -> int:
-        return 2 * self.head_dim
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = torch.einsum("bhnd,hed->bhne", x, self.weight) + self.bias
-        return torch.cat([torch.softmax(z, -1), torch.softmax(-z, -1)], -1)
-
-
-def build_feature_map(name: str, head_dim: int, num_heads: int, **options) -> FeatureMap:
-    if name not in FEATURE_MAPS:
-        raise KeyError(name)
-    return FEATURE_MAPS[name](head_dim, num_heads, **options)
+LUNA = register(Method(
+    name="luna",
+    core=LunaFeatureMap,
+    description="LUNA: learned projections + a bank of learned scalar channel functions, DWC branch "
+                "(Shahbazi et al. 2025)",
+    paper="Shahbazi et al. 2025, LUNA: Linear Universal Neural Attention (the seed paper, Eq. 11, Listing 1)",
+    details="""Confirmed (paper Eq. 11 and Listing 1): phi(x) = h(x)/sqrt(M) [psi_l(w_i^T x + b_i)], W init
+randn/sqrt(d), b = 0, shared over tokens and heads; psi_l a 1 -> 64 -> 1 ReLU MLP with a ReLU on the
+output; M = L = 8 (D = 64); no envelope by default; the ablated banks (fixed RFF sin/cos, bank +
+coefficients, envelope) are options; one map for q and k; recipe: swap, then finetune, no distillation.
+Derived (options, recorded in linear_attention.json): the DWC branch's form (FLatten-style depthwise
+conv on V: Conv1d over text tokens with pads zeroed, k x k Conv2d on the ViT patch grid, prefix tokens
+none, zero-initialised); channel_init 'exp' with exp_rate; per_head_projections; projection_init
+'identity'; feature_norm 'channel'.""",
+    distill=False,
+))

@@ -1,0 +1,1 @@
+"""Modules a converted model holds: the linear-attention layer (``attention``)."""

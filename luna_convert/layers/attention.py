@@ -1,0 +1,162 @@
+"""The linear-attention layer that replaces softmax inside a converted attention module.
+
+``LinearAttention`` owns only what conversion adds: the method's attention core (feature
+map(s), or a kernel) and the optional depthwise-convolution (DWC) branch. The pretrained
+Q/K/V/output projections stay in the original attention module (see ``adapters``), which
+hands per-head q, k, v here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..linear_methods.base import FEATURE_MAP_KIND, AttentionOptions
+from ..linear_methods.registry import get_method
+from ..ops.context import AttentionContext
+from ..ops.dwc import depthwise_conv_tokens
+from ..ops.linear import linear_attention
+from ..ops.reference import attention_distillation_loss, linear_attention_weights, softmax_attention_weights
+from ..ops.streamed import streamed_linear_attention
+
+
+class DepthwiseConvBranch(nn.Module):
+    """DWC(V): a depthwise conv over tokens shared across heads (FLatten-style).
+
+    Text: Conv1d over the sequence, pads zeroed before and after. Images: a
+    k x k Conv2d over the patch grid, prefix tokens (CLS, registers) get none.
+    Zero-initialised so a freshly converted model is pure linear attention.
+    The kernel size is validated with the options (``AttentionOptions.dwc_kernel``).
+    """
+
+    def __init__(self, head_dim: int, kernel_size: int = 3, spatial: bool = False):
+        super().__init__()
+        conv = nn.Conv2d if spatial else nn.Conv1d
+        self.spatial = spatial
+        self.conv = conv(head_dim, head_dim, kernel_size, padding=kernel_size // 2, groups=head_dim)
+        nn.init.zeros_(self.conv.weight)
+        nn.init.zeros_(self.conv.bias)
+
+    def forward(self, v, key_mask=None, grid=None, num_prefix: int = 0):
+        # ops.dwc.depthwise_conv_tokens works in the [..., tokens, d] layout of v, so
+        # no channels-first copies (and a faster backward than torch's CPU depthwise conv).
+        b, h, n, d = v.shape
+        weight, bias = self.conv.weight.to(v.dtype), self.conv.bias.to(v.dtype)  # as autocast would run the conv
+        if not self.spatial:
+            if key_mask is None:
+                return depthwise_conv_tokens(v, weight, bias)
+            keep = key_mask[:, None, :, None].to(v.dtype)
+            return depthwise_conv_tokens(v * keep, weight, bias) * keep
+        gh, gw = grid
+        patches = v[:, :, num_prefix:]
+        if patches.shape[2] != gh * gw:
+            raise ValueError(f"DWC expects {gh}x{gw} patches after {num_prefix} prefix tokens, got {patches.shape[2]}")
+        out = depthwise_conv_tokens(patches.reshape(b, h, gh, gw, d), weight, bias).reshape(b, h, gh * gw, d)
+        return F.pad(out, (0, 0, num_prefix, 0))
+
+
+class LinearAttention(nn.Module):
+    """Linear attention of one registered method over per-head q, k, v, with optional DWC.
+
+    ``LinearAttention(method, head_dim, num_heads, softmax_scale, spatial=False, options=None,
+    **overrides)``: ``options`` is the method's options object (or None: its defaults),
+    ``overrides`` replace single options (``dwc=False``).
+
+    Feature-map methods keep their map(s) as ``phi_q`` / ``phi_k`` (``phi_k`` None when q and k
+    share one map: a shared map is stored once, so checkpoints hold no duplicated tensors);
+    kernel methods keep theirs as ``kernel``.
+
+    ``distill`` switches on attention distillation: the layer then returns
+    the softmax output (so every layer sees the teacher's activations) and
+    keeps ``distill_loss``, the cross-entropy between softmax and linear
+    attention rows. Both come from the same q and k: no second model.
+    """
+
+    def __init__(self, method: str, head_dim: int, num_heads: int, softmax_scale: float, spatial: bool = False,
+                 options: AttentionOptions | None = None, **overrides):
+        super().__init__()
+        spec = get_method(method)
+        options = spec.make_options(**{**(options.to_dict() if options is not None else {}), **overrides})
+        self.method, self.options = method, options
+        self.head_dim, self.num_heads, self.softmax_scale, self.eps = head_dim, num_heads, softmax_scale, options.eps
+        if spec.kind == FEATURE_MAP_KIND:
+            self.phi_q = spec.core(head_dim, num_heads, options)
+            self.phi_k = None if self.phi_q.shared_qk else spec.core(head_dim, num_heads, options)
+            self.kernel = None
+        else:
+            self.phi_q = self.phi_k = None
+            self.kernel = spec.core(head_dim, num_heads, options)
+        self.dwc = DepthwiseConvBranch(head_dim, options.dwc_kernel, spatial) if options.dwc else None
+        self.distill = False
+        # On the CPU, long inputs stream tokens in chunks (ops.streamed) once the float32
+        # features of all tokens would exceed stream_min_bytes: glibc maps buffers over
+        # 32 MiB fresh from the OS on every call, and faulting their pages in cost as much
+        # as the arithmetic (16k tokens, forward: T2R 1.8x, Hedgehog 2.2x faster streamed;
+        # docs/benchmarks.md). Same values and gradients.
+        self.stream_min_bytes, self.stream_chunk_bytes = 32 << 20, 4 << 20
+        self.distill_loss: torch.Tensor | None = None
+
+    @property
+    def feature_dim(self) -> int:
+        return (self.kernel if self.phi_q is None else self.phi_q).feature_dim
+
+    def method_parameters(self) -> list[nn.Parameter]:
+        """What the method added (feature maps or kernel), DWC excluded: what distillation trains."""
+        return [p for m in (self.phi_q, self.phi_k, self.kernel) if m is not None for p in m.parameters()]
+
+    def query_features(self, q: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
+        return self.phi_q(q * self.head_dim**-0.5 if self.phi_q.prescale_query else q, context)
+
+    def key_features(self, k: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
+        return (self.phi_k or self.phi_q)(k, context)
+
+    def features(self, q: torch.Tensor, k: torch.Tensor,
+                 context: AttentionContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        key_context = None if context is None else context.for_role("key")
+        return self.query_features(q, context), self.key_features(k, key_context)
+
+    def stream_chunk(self, batch: int, tokens: int, training: bool = True) -> int | None:
+        """Tokens per chunk for the streamed path, or None when all features fit comfortably at once
+        (or, when gradients are needed, the map prefers to keep its own saved state)."""
+        if self.phi_q is None or not self.phi_q.token_wise:
+            return None
+        if training and not self.phi_q.stream_when_training:
+            return None
+        per_token = batch * self.num_heads * max(self.feature_dim, self.head_dim) * 4  # float32 bytes
+        if per_token * tokens <= self.stream_min_bytes:
+            return None
+        return max(16, self.stream_chunk_bytes // per_token)
+
+    def forward(self, q, k, v, key_mask=None, grid=None, num_prefix: int = 0) -> torch.Tensor:
+        """q, k, v: [B, H, N, d]; key_mask: bool [B, N] (True = real). Returns [B, H, N, d]."""
+        context = AttentionContext(key_mask, v.shape[2], num_prefix, grid)
+        if self.distill:
+            teacher = softmax_attention_weights(q, k, self.softmax_scale, key_mask)
+            student = self.attention_weights(q, k, key_mask, context)
+            self.distill_loss = attention_distillation_loss(teacher.detach(), student, key_mask, self.eps)
+            return torch.einsum("bhnm,bhmd->bhnd", teacher, v.to(teacher.dtype)).to(v.dtype)
+        if self.kernel is not None:
+            out = self.kernel(q, k, v, key_mask, context)
+        else:
+            params = self.method_parameters()
+            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params))
+            chunk = self.stream_chunk(v.shape[0], v.shape[2], needs_grad) if v.device.type == "cpu" else None
+            if chunk is None:
+                out = linear_attention(*self.features(q, k, context), v, key_mask, self.eps)
+            else:
+                out = streamed_linear_attention(q, k, v, self.query_features, self.key_features, params,
+                                                key_mask, self.eps, chunk, q_context=context,
+                                                k_context=context.for_role("key"))
+        if self.dwc is not None:
+            # In place into the branch's fresh output (nothing saves it): one [B, H, N, d] buffer fewer.
+            out = self.dwc(v, key_mask, grid, num_prefix).add_(out)
+        return out
+
+    def attention_weights(self, q, k, key_mask=None, context: AttentionContext | None = None) -> torch.Tensor:
+        """The explicit N x N attention matrix (the distillation student; for inspection and plots)."""
+        if context is None:
+            context = AttentionContext(key_mask, q.shape[2])
+        if self.kernel is not None:
+            return self.kernel.weights(q, k, key_mask, context)
+        return linear_attention_weights(*self.features(q, k, context), key_mask, self.eps)

@@ -1,0 +1,174 @@
+"""What every method is made of: its options, its attention core, and its registry entry.
+
+Two kinds of attention core:
+
+* :class:`FeatureMap` (feature-map attention): phi: R^d -> R^D per head, and the layer computes
+  phi(q)^T S / (phi(q)^T z + eps) with ``ops.linear`` (streamed over chunks of tokens on long CPU
+  inputs, ``ops.streamed``). Its explicit N x N form is ``ops.reference.linear_attention_weights``.
+* :class:`KernelAttention` (kernel attention), for kernels k(q, k) that do not factor into finite
+  features: the method supplies ``forward`` (the output) and ``weights`` (the explicit N x N
+  matrix, which tests compare ``forward`` against and attention distillation trains).
+
+Both take ``(head_dim, num_heads, options)`` where options is the method's options dataclass
+(:class:`AttentionOptions` or a subclass), or keyword overrides of its defaults. Both may read an
+optional per-call :class:`~luna_convert.ops.context.AttentionContext` (key mask, positions among
+real tokens, prefix tokens); token-wise maps ignore it.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ..ops.context import AttentionContext
+
+FEATURE_MAP_KIND = "feature map"
+KERNEL_KIND = "kernel"
+
+
+def option(default: Any, help: str) -> Any:
+    """A dataclass field with a default and the one-line help `luna-convert methods --details` shows."""
+    return field(default=default, metadata={"help": help})
+
+
+def check_positive_int(options: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(options, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, choices))}")
+
+
+@dataclass
+class AttentionOptions:
+    """Options of the attention layer itself, shared by every method (each method's options extend these).
+
+    Everything here is saved: ``asdict(options)`` is the ``options`` of linear_attention.json.
+    """
+
+    dwc: bool = option(False, "add a depthwise-convolution branch on V (FLatten-style; zero-initialised)")
+    dwc_kernel: int = option(3, "kernel size of the DWC branch (odd; k x k on the ViT patch grid)")
+    eps: float = option(1e-6, "added to the linear-attention denominator")
+
+    def __post_init__(self):
+        if isinstance(self.dwc_kernel, bool) or not isinstance(self.dwc_kernel, int) or self.dwc_kernel < 1 \
+                or self.dwc_kernel % 2 == 0:
+            # an even kernel with padding k // 2 would change the sequence length
+            raise ValueError(f"dwc_kernel must be a positive odd integer, got {self.dwc_kernel!r}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not self.eps > 0:
+            raise ValueError(f"eps must be a positive number, got {self.eps!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def option_table(options_class: type[AttentionOptions]) -> list[tuple[str, Any, str]]:
+    """(name, default, help) of every option of ``options_class``."""
+    return [(f.name, f.default if f.default is not MISSING else None, f.metadata.get("help", ""))
+            for f in fields(options_class)]
+
+
+class MethodCore(nn.Module):
+    """Common constructor: ``Core(head_dim, num_heads, options=None, **overrides)``."""
+
+    options_class: type[AttentionOptions] = AttentionOptions
+
+    def __init__(self, head_dim: int, num_heads: int, options: AttentionOptions | None = None, **overrides):
+        super().__init__()
+        if options is None:
+            options = self.options_class(**overrides)
+        elif overrides:
+            options = replace(options, **overrides)
+        self.head_dim, self.num_heads, self.options = head_dim, num_heads, options
+
+
+class FeatureMap(MethodCore, abc.ABC):
+    """phi: [B, H, N, d] -> [B, H, N, D]; non-negative unless the method says otherwise.
+
+    Class attributes tell the attention layer how to use a map:
+      shared_qk       one map for queries and keys (False: a second copy for keys)
+      prescale_query  multiply q by head_dim**-0.5 before the map (T2R)
+      token_wise      a token's features depend on that token (and its context row) only; False
+                      (e.g. a stabiliser taken over all keys) keeps the map off the streamed path
+      stream_when_training  long inputs go through the map in chunks of tokens
+                      (``ops.streamed``) at inference always (token-wise maps), and in training
+                      too unless this is False
+    """
+
+    shared_qk: bool = True
+    prescale_query: bool = False
+    token_wise: bool = True
+    stream_when_training: bool = True
+
+    @property
+    @abc.abstractmethod
+    def feature_dim(self) -> int:
+        """D, the number of features per head."""
+
+    @abc.abstractmethod
+    def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
+        """Features of x [B, H, n, d] -> [B, H, n, D]; ``context`` describes those n tokens (may be None)."""
+
+
+class KernelAttention(MethodCore, abc.ABC):
+    """out_i = sum_j k(q_i, k_j) v_j / sum_j k(q_i, k_j) over real keys, for a kernel that need not factor."""
+
+    feature_dim: int = 0  # no finite feature space
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None,
+                context: AttentionContext | None = None) -> torch.Tensor:
+        """q, k, v: [B, H, N, d]; key_mask bool [B, N] (True = real). Returns [B, H, N, d] in v's dtype."""
+
+    @abc.abstractmethod
+    def weights(self, q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None = None,
+                context: AttentionContext | None = None) -> torch.Tensor:
+        """The explicit row-normalised N x N matrix [B, H, N, N] (pad keys weigh 0); ``forward`` equals ``weights @ v``."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered conversion method.
+
+    name         what ``--method`` takes
+    core         its FeatureMap or KernelAttention class (whose ``options_class`` are its options)
+    description  one line for ``luna-convert methods``
+    paper        the paper it follows
+    details      what is confirmed from the paper / code and what is derived (``methods --details``)
+    distill      its recipe distils attention (Hedgehog stage 1) before finetuning
+    recipe       further run settings the method recommends (e.g. ``{"train.added_lr": ...}``)
+    """
+
+    name: str
+    core: type[MethodCore]
+    description: str
+    paper: str
+    details: str
+    distill: bool = False
+    recipe: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def options(self) -> type[AttentionOptions]:
+        return self.core.options_class
+
+    @property
+    def kind(self) -> str:
+        return KERNEL_KIND if issubclass(self.core, KernelAttention) else FEATURE_MAP_KIND
+
+    @property
+    def defaults(self) -> dict:
+        """Every option with its default, as saved."""
+        return asdict(self.options())
+
+    def make_options(self, **given) -> AttentionOptions:
+        """The options object (defaults filled in, validated); ValueError / TypeError on a bad value or name."""
+        return self.options(**given)

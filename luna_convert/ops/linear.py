@@ -1,0 +1,77 @@
+"""Kernel linear attention, out_i = phi(q_i)^T S / (phi(q_i)^T z + eps) with S = sum_j phi(k_j) v_j^T and
+z = sum_j phi(k_j). Its naive reference is ``reference.linear_attention_weights(phi_q, phi_k) @ v``.
+
+``linear_attention_core`` is the autograd function with a hand-written backward (fewer passes
+over [N, d] tensors, contiguous gradients); ``linear_attention`` adds masking and dtypes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dtypes import accumulation_dtype
+from .reference import EPS
+
+
+class _LinearAttentionCore(torch.autograd.Function):
+    """out = (phi_q S) / (phi_q z + eps) with S = phi_k^T v, z = sum_j phi_k[j] (per batch and head).
+
+    A hand-written backward: autograd's version of the division and the slicing
+    makes several extra full passes over [N, d] tensors, which at long N run
+    at memory speed and cost more than the matrix products. It does not keep
+    the output: grad_out . out, the one place it enters, equals
+    (grad_out r S^T) . phi_q, and that product is a piece of phi_q's gradient
+    anyway. Every gradient comes back contiguous.
+    """
+
+    @staticmethod
+    def forward(ctx, phi_q, phi_k, v, eps):
+        kv_t = torch.matmul(v.transpose(-1, -2), phi_k)  # S^T [B, H, d, D]
+        z = phi_k.sum(dim=-2, keepdim=True)  # [B, H, 1, D]
+        r = torch.matmul(phi_q, z.transpose(-1, -2)).add_(eps).reciprocal_()  # 1 / (phi_q z + eps) [B, H, N, 1]
+        out = torch.matmul(phi_q, kv_t.transpose(-1, -2)).mul_(r)  # [B, H, N, d]
+        ctx.save_for_backward(phi_q, phi_k, v, kv_t, z, r)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        phi_q, phi_k, v, kv_t, z, r = ctx.saved_tensors
+        grad_num = grad_out * r  # d loss / d (phi_q S)   [B, H, N, d]
+        grad_q = torch.matmul(grad_num, kv_t)  # its part of phi_q's gradient   [B, H, N, D]
+        # d loss / d (phi_q z) = -(grad_out . out) r, and grad_out . out = (grad_num S^T) . phi_q
+        grad_den = torch.linalg.vecdot(grad_q, phi_q).unsqueeze_(-1).mul_(r).neg_()  # [B, H, N, 1]
+        grad_q.addcmul_(grad_den, z)
+        grad_kv_t = torch.matmul(grad_num.transpose(-1, -2), phi_q)  # [B, H, d, D]
+        grad_z = torch.matmul(grad_den.transpose(-1, -2), phi_q)  # [B, H, 1, D]
+        grad_k = torch.matmul(v, grad_kv_t).add_(grad_z) if ctx.needs_input_grad[1] else None
+        grad_v = torch.matmul(phi_k, grad_kv_t.transpose(-1, -2)) if ctx.needs_input_grad[2] else None
+        return grad_q if ctx.needs_input_grad[0] else None, grad_k, grad_v, None
+
+
+def linear_attention_core(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
+    """phi_q S / (phi_q z + eps) for [B, H, N, D] features and [B, H, N, d] values, all of one float dtype.
+
+    The caller handles masking (zeroed phi_k rows) and dtypes; see
+    ``linear_attention`` below.
+    """
+    return _LinearAttentionCore.apply(phi_q, phi_k, v, eps)
+
+
+def linear_attention(
+    phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None, eps: float = EPS
+) -> torch.Tensor:
+    """out_i = phi(q_i)^T S / (phi(q_i)^T z + eps), S = sum_j phi(k_j) v_j^T, z = sum_j phi(k_j).
+
+    Pads are removed by zeroing phi(k) (not k or v: phi(0) need not be 0).
+    Sums and the division run in fp32 even under autocast, so bf16/fp16
+    inputs cannot overflow the sums or divide by a rounded-off zero; float64
+    inputs stay float64.
+    """
+    out_dtype, compute = v.dtype, accumulation_dtype(phi_q, phi_k, v)
+    with torch.autocast(device_type=v.device.type, enabled=False):
+        phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
+        if key_mask is not None:
+            phi_k = phi_k * key_mask[:, None, :, None].to(phi_k.dtype)
+        out = linear_attention_core(phi_q, phi_k, v, eps)
+    return out.to(out_dtype)

@@ -1,0 +1,282 @@
+"""The layout (issue 10): the two kinds of attention core, the per-call context, the method
+registry and its options, folders saved before the options dataclasses, and the import graph."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import luna_convert
+from luna_convert.cli import app
+from luna_convert.conversion import convert, linear_attention_modules, resolve_options
+from luna_convert.errors import ConversionError
+from luna_convert.layers.attention import LinearAttention
+from luna_convert.linear_methods import METHODS, AttentionOptions, FeatureMap, KernelAttention, Method, register
+from luna_convert.linear_methods.base import option, option_table
+from luna_convert.linear_methods.luna import LunaOptions
+from luna_convert.ops.context import AttentionContext
+from luna_convert.ops.reference import softmax_attention_weights
+from luna_convert.serialization import CONVERSION_FILE, load, save
+
+from conftest import example_inputs, logits_of, make_bert
+
+PACKAGE = Path(luna_convert.__file__).parent
+
+
+# ------------------------------------------------------------------ a test-only kernel method
+class SoftmaxKernel(KernelAttention):
+    """k(q, k) = exp(q.k / sqrt(d)): a kernel with no finite feature map; its attention is softmax's."""
+
+    def weights(self, q, k, key_mask=None, context=None):
+        scores = torch.einsum("bhnd,bhmd->bhnm", q.double(), k.double()) * self.head_dim**-0.5
+        scores = scores - scores.amax(-1, keepdim=True)  # stable: exp of at most 0
+        kernel = scores.exp()
+        if key_mask is not None:
+            kernel = kernel * key_mask[:, None, None, :]
+        return kernel / kernel.sum(-1, keepdim=True)
+
+    def forward(self, q, k, v, key_mask=None, context=None):
+        return (self.weights(q, k, key_mask, context) @ v.double()).to(v.dtype)
+
+
+@pytest.fixture
+def softmax_kernel_method():
+    method = register(Method(name="test-softmax-kernel", core=SoftmaxKernel, description="test only",
+                             paper="none", details="test only"))
+    yield method.name
+    del METHODS[method.name]
+
+
+def test_kernel_method_equals_softmax_attention_and_ignores_padding(softmax_kernel_method):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 6, 8, generator=g) for _ in range(3))
+    mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    layer = LinearAttention(softmax_kernel_method, 8, 3, 8**-0.5)
+    assert layer.kernel is not None and layer.phi_q is None and layer.dwc is None
+    want = softmax_attention_weights(q.double(), k.double(), 8**-0.5, mask)
+    torch.testing.assert_close(layer.attention_weights(q, k, mask), want, rtol=0, atol=1e-14)  # measured 1e-16
+    torch.testing.assert_close(layer(q, k, v, mask), (want @ v.double()).float(), rtol=0, atol=1e-6)  # measured 0
+    # The second example alone (its real tokens only) gives the same rows as inside the padded batch.
+    alone = layer(q[1:, :, :4], k[1:, :, :4], v[1:, :, :4])
+    torch.testing.assert_close(layer(q, k, v, mask)[1, :, :4], alone[0], rtol=0, atol=1e-6)  # measured 0
+    # Distillation compares the method's own explicit weights with softmax: here they are the same rows.
+    layer.distill = True
+    layer(q, k, v, mask)
+    entropy = -(want * torch.log(want + layer.eps)).sum(-1)[mask[:, None, :].expand(-1, 3, -1)].mean()
+    # measured 2.2e-8: the layer's teacher is computed in float32, this one in float64
+    torch.testing.assert_close(layer.distill_loss, entropy, rtol=0, atol=1e-7)
+
+
+def test_converting_with_a_kernel_method_keeps_the_logits(softmax_kernel_method):
+    model = make_bert()
+    inputs = example_inputs("hf-bert")
+    with torch.no_grad():
+        before = logits_of(model, inputs)
+        report = convert(model, softmax_kernel_method)
+        after = logits_of(model, inputs)
+    assert report.options == METHODS[softmax_kernel_method].defaults and report.modules[0].feature_dim == 0
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-6)  # measured 2.4e-7: softmax as a kernel is softmax
+
+
+# ------------------------------------------------------------------ the per-call context
+def test_context_positions_count_real_tokens_only():
+    mask = torch.tensor([[True, True, True, False, False], [True, False, True, True, False]])
+    ctx = AttentionContext(mask, 5)
+    assert ctx.positions().tolist() == [[0, 1, 2, 2, 2], [0, 0, 1, 2, 2]]
+    assert ctx.lengths.tolist() == [3, 3]
+    chunk = ctx.rows(slice(2, 4))
+    assert (chunk.start, chunk.stop) == (2, 4) and chunk.positions().tolist() == [[2, 2], [1, 2]]
+    assert chunk.rows(slice(1, None)).positions().tolist() == [[2], [2]]
+    assert AttentionContext(None, 4).rows(slice(1, 3)).positions().tolist() == [[1, 2]]
+
+
+@dataclass
+class PositionOptions(AttentionOptions):
+    period: float = option(5.0, "positions are read modulo this")
+
+
+class PositionMap(FeatureMap):
+    """A token-wise map that also reads each token's position among real tokens (as cosFormer will)."""
+
+    options_class = PositionOptions
+
+    @property
+    def feature_dim(self) -> int:
+        return 2 * self.head_dim
+
+    def forward(self, x, context=None):
+        pos = torch.zeros(x.shape[0], x.shape[2]) if context is None else context.positions().float()
+        angle = (pos / self.options.period)[:, None, :, None].to(x.dtype)
+        return torch.cat([torch.relu(x) * torch.cos(angle).abs(), torch.relu(-x) * torch.sin(angle).abs()], -1)
+
+
+@pytest.fixture
+def position_method():
+    method = register(Method(name="test-positions", core=PositionMap, description="test only", paper="none",
+                             details="test only"))
+    yield method.name
+    del METHODS[method.name]
+
+
+def test_feature_maps_see_positions_on_the_plain_and_the_streamed_path(position_method):
+    g = torch.Generator().manual_seed(1)
+    layer = LinearAttention(position_method, 4, 2, 0.5).train()
+    q, k, v = (torch.randn(2, 2, 40, 4, generator=g, requires_grad=True) for _ in range(3))
+    mask = torch.arange(40)[None] < torch.tensor([[40], [23]])
+    outs = []
+    for min_bytes in (1 << 62, 1000):  # plain, then chunks of 16 tokens
+        layer.stream_min_bytes, layer.stream_chunk_bytes = min_bytes, 1
+        out = layer(q, k, v, mask)
+        outs.append((out, torch.autograd.grad(out.square().sum(), (q, k, v))))
+    (plain, plain_grads), (streamed, streamed_grads) = outs
+    torch.testing.assert_close(streamed, plain, rtol=0, atol=1e-6)  # measured 1.8e-7
+    for a, b in zip(streamed_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6)  # measured 5.4e-7 (gradients up to 3.3)
+    # Positions over real tokens: the padded example equals itself alone, so the map really saw the mask.
+    alone = layer(q[1:, :, :23], k[1:, :, :23], v[1:, :, :23])
+    torch.testing.assert_close(plain[1, :, :23], alone[0], rtol=0, atol=1e-6)  # measured 1.8e-7
+    layer.stream_min_bytes = 1 << 62
+    shifted = layer(q, k, v, torch.roll(mask, 5, 1))  # the same real count, other places: other positions
+    assert (shifted - plain).abs().max() > 0.1  # measured 0.95
+
+
+# ------------------------------------------------------------------ registry and options
+def test_every_method_has_options_a_paper_details_and_its_tests_parametrised():
+    assert {"luna", "t2r", "t2r-hh", "hedgehog"} <= set(METHODS)
+    for name, spec in METHODS.items():
+        assert issubclass(spec.options, AttentionOptions) and spec.defaults == spec.options().to_dict()
+        assert spec.paper and spec.details and spec.description
+        assert all(help_text for _, _, help_text in option_table(spec.options)), name
+    assert METHODS["t2r"].core is METHODS["t2r-hh"].core and METHODS["t2r-hh"].distill and not METHODS["t2r"].distill
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"projections": 0}, "projections must be a positive integer"),
+    ({"channel_init": "gaussian"}, "unknown channel_init"),
+    ({"channel_bank": "fourier", "channels": 3}, "even number of channels"),
+    ({"dwc_kernel": 4}, "dwc_kernel must be a positive odd integer"),
+    ({"eps": 0}, "eps must be a positive number"),
+])
+def test_options_are_validated_before_any_model_is_built(bad, message):
+    with pytest.raises(ValueError, match=message):
+        LunaOptions(**bad)
+    with pytest.raises(ConversionError, match=f"invalid options for method 'luna'.*{message}"):
+        resolve_options("luna", bad)
+
+
+def test_methods_details_lists_options_with_defaults():
+    result = CliRunner().invoke(app, ["methods", "--details"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for name, spec in METHODS.items():
+        assert name in result.output and spec.paper in result.output
+        for option_name, default, _ in option_table(spec.options):
+            assert option_name in result.output and repr(default) in result.output
+    assert "Derived" in result.output and "Confirmed" in result.output
+    plain = CliRunner().invoke(app, ["methods"]).output
+    assert "Confirmed" not in plain and all(name in plain for name in METHODS)
+
+
+# ------------------------------------------------------------------ folders saved before the options dataclasses
+OLD_OPTIONS = {  # linear_attention.json "options" as saved before channel_init & co. and before eps was recorded
+    "luna": {"projections": 8, "channels": 8, "hidden": 64, "shared_channels": False, "envelope": False,
+             "channel_bank": "mlp", "dwc": True, "dwc_kernel": 3},
+    "t2r": {"feature_dim": 64, "dwc": False},
+    "hedgehog": {"dwc": False},
+}
+
+
+@pytest.mark.parametrize("method", sorted(OLD_OPTIONS))
+def test_a_folder_saved_in_the_old_format_still_loads(method, tmp_path):
+    model = make_bert()
+    convert(model, method)
+    with torch.no_grad():
+        for la in linear_attention_modules(model):
+            for p in la.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    inputs = example_inputs("hf-bert")
+    with torch.no_grad():
+        expected = logits_of(model, inputs)
+    folder = save(model, tmp_path / "model")
+    meta = json.loads((folder / CONVERSION_FILE).read_text())
+    meta["conversion"]["options"] = OLD_OPTIONS[method]
+    (folder / CONVERSION_FILE).write_text(json.dumps(meta))
+    loaded = load(folder)
+    with torch.no_grad():
+        assert torch.equal(logits_of(loaded, inputs), expected)
+    assert getattr(loaded, "linear_attention_config").options == METHODS[method].defaults  # defaults filled in
+
+
+# ------------------------------------------------------------------ imports
+OWNED = ("luna_convert.ops", "luna_convert.linear_methods", "luna_convert.layers", "luna_convert.conversion")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_edges() -> dict[str, set[str]]:
+    """module -> the luna_convert modules it imports with ``from .x import`` (relative imports, module level)."""
+    edges: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = edges.setdefault(name, set())
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                # "from . import x": x is a submodule
+                for alias in node.names if not node.module else [None]:
+                    targets.add(f"{target}.{alias.name}" if alias else target)
+    return edges
+
+
+def owned(name: str) -> bool:
+    return any(name == o or name.startswith(o + ".") for o in OWNED)
+
+
+def test_every_module_imports_in_a_fresh_interpreter():
+    names = sorted(module_name(p) for p in PACKAGE.rglob("*.py") if p.name != "__main__.py")
+    code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\n"
+    out = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300,
+                         cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_owned_modules_have_no_import_cycle_no_private_imports_and_no_hidden_imports():
+    edges = {m: {t for t in ts if owned(t)} for m, ts in import_edges().items() if owned(m)}
+    state: dict[str, str] = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for start in sorted(edges):
+        if start not in state:
+            visit(start, [start])
+    for path in PACKAGE.rglob("*.py"):
+        if not owned(module_name(path)):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and "luna_convert" in (node.module or "") \
+                    or isinstance(node, ast.ImportFrom) and node.level:
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.name} imports private names {private}"
+        for func in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            hidden = [n for n in ast.walk(func) if isinstance(n, ast.ImportFrom) and n.level]
+            assert not hidden, f"{path.name}:{func.name} imports a package module inside a function"
