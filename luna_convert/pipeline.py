@@ -204,6 +204,19 @@ def _validate_ranges(config: dict) -> None:
             raise LunaConvertError(f"{key} must be {what}, got {value!r}; fix it with --set {key}=...")
 
 
+def apply_method_recipe(config: dict) -> dict:
+    """Fill the run settings the method recommends (``Method.recipe``, e.g. ``train.added_lr``) where the
+    config leaves them unset (None); returns what was filled in (recorded in results.json)."""
+    if config["method"] == CONTROL_METHOD:
+        return {}
+    applied = {}
+    for key, value in get_method(config["method"]).recipe.items():
+        section, name = key.split(".")
+        if config[section].get(name) is None:
+            config[section][name] = applied[key] = value
+    return applied
+
+
 def distill_steps(config: dict) -> int:
     steps = config["distill"]["steps"]
     if config["method"] == CONTROL_METHOD:
@@ -315,6 +328,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
                                    f"results, `luna-convert eval {run_dir}`, or start a new run")
         config = _read_json(run_dir / CONFIG_FILE, "run config")
     validate(config)
+    method_recipe = apply_method_recipe(config) if resume is None else {}  # a resumed config has them already
     accelerator = make_accelerator(config)
     own_data = needs_resolution(config)  # no recipe: task, columns, splits, defaults come from model + data
     task = None if own_data else task_for(config)
@@ -452,6 +466,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         "converted_score": converted_score,
         "recovered_pct": recovered_pct(converted_score, teacher_score, headline),
         "stage_scores": {**stage_scores, "final": converted_score},
+        "method_recipe": method_recipe,
         "teacher_metrics": teacher["metrics"], "converted_metrics": metrics,
         "eval_examples": counted, "truncated_examples": data.truncated, "truncated_by_split": data.truncated_by_split,
         "resolved": config.get("resolved"),

@@ -21,6 +21,7 @@ from torch import nn
 from .conversion import CONFIG_ATTR, convert
 from .errors import LunaConvertError
 from .fileio import atomic_directory, atomic_write_json
+from .linear_methods.registry import get_method
 from .models import TIMM_ARGS_ATTR, timm_create_args
 
 CONVERSION_FILE = "linear_attention.json"
@@ -141,7 +142,8 @@ def load(directory: str | Path) -> nn.Module:
     conversion = meta.get("conversion")
     if conversion is not None:
         target_names = set(conversion["targets"])
-        convert(model, conversion["method"], filter_fn=lambda _m, name: name in target_names, **conversion["options"])
+        options = get_method(conversion["method"]).options.with_saved_defaults(conversion["options"])
+        convert(model, conversion["method"], filter_fn=lambda _m, name: name in target_names, **options)
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise LunaConvertError(f"{weights} is missing; the folder is incomplete, re-run or restore it")

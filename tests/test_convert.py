@@ -304,7 +304,7 @@ def test_report_fields(method):
 
 def test_feature_dims_per_method():
     d = HIDDEN // HEADS
-    expected = {"luna": 8 * 8, "t2r": 64, "t2r-hh": 64, "hedgehog": 2 * d}
+    expected = {"luna": d * 2, "t2r": 64, "t2r-hh": 64, "hedgehog": 2 * d}  # luna: M = head_dim, L = 2 by default
     for method, dim in expected.items():
         assert convert(make_bert(), method).modules[0].feature_dim == dim
 

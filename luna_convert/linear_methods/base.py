@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 from torch import nn
@@ -67,8 +67,18 @@ class AttentionOptions:
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not self.eps > 0:
             raise ValueError(f"eps must be a positive number, got {self.eps!r}")
 
+    # Values for options a folder saved by an older version lacks, where they differ from today's
+    # defaults (a method whose defaults changed lists the old ones here, so old models rebuild as saved).
+    saved_before: ClassVar[Mapping[str, Any]] = MappingProxyType({})
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def with_saved_defaults(cls, saved: Mapping[str, Any]) -> dict:
+        """``saved`` (the options of a linear_attention.json) with every key it lacks that an older
+        version did not write filled in with that version's value."""
+        return {**{k: v for k, v in cls.saved_before.items() if k not in saved}, **saved}
 
 
 def option_table(options_class: type[AttentionOptions]) -> list[tuple[str, Any, str]]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +30,8 @@ FEATURE_NORMS = ("none", "channel")
 FEATURE_NORM_EPS = 1e-6
 
 
-def check_channel_init(init: str, shared: bool) -> None:
+def check_channel_init(init: str) -> None:
     check_choice("channel_init", init, CHANNEL_INITS)
-    if init == "exp" and shared:
-        raise ValueError("channel_init 'exp' needs one hidden layer per channel (shared_channels false)")
 
 
 def check_fourier_channels(channels: int) -> None:
@@ -62,7 +62,7 @@ class ScalarChannels(nn.Module):
     def __init__(self, channels: int, hidden: int, shared: bool = False, init: str = "random",
                  exp_rate: float = 0.5):
         super().__init__()
-        check_channel_init(init, shared)
+        check_channel_init(init)
         self.channels, self.hidden, self.shared = channels, hidden, shared
         rows = 1 if shared else channels
         # Same scale as nn.Linear's default init (fan_in 1, then fan_in hidden).
@@ -88,12 +88,15 @@ class ScalarChannels(nn.Module):
         rates = exp_rates(self.channels, base_rate).to(self.w1)
         knots = torch.linspace(-span, span, self.hidden).to(self.w1)  # [hidden]
         for l, c in enumerate(rates.tolist()):
-            sign = 1.0 if c > 0 else -1.0
-            # v = sign * u is the variable in which exp(|c| v) increases; unit j is relu(v - t_j).
-            target = torch.exp(abs(c) * knots)  # values at the knots, in v
+            # Unit j is relu(v - t_j) in v = sign * u. One hidden layer per channel: v rises with the
+            # channel's exponential, so it keeps rising past either end of the span. A shared layer has
+            # one v = u for all channels; a falling exponential is then constant left of the span.
+            sign = 1.0 if c > 0 or self.shared else -1.0
+            target = torch.exp(c * sign * knots)  # the channel's values at the knots, in v
             slopes = (target[1:] - target[:-1]) / (knots[1:] - knots[:-1])  # [hidden - 1]
-            self.w1[l] = sign
-            self.b1[l] = -knots
+            row = 0 if self.shared else l
+            self.w1[row] = sign
+            self.b1[row] = -knots
             self.w2[l, 0] = slopes[0]
             self.w2[l, 1:-1] = slopes[1:] - slopes[:-1]
             self.w2[l, -1] = 0.0
@@ -142,29 +145,38 @@ CHANNEL_BANKS = {"mlp": ScalarChannels, "fourier": FixedFourierChannels, "bank":
 @dataclass
 class LunaOptions(AttentionOptions):
     dwc: bool = option(True, "depthwise-conv branch on V (part of the paper's setup; its form is derived)")
-    projections: int = option(8, "M, learned projections w_i^T x + b_i per token (paper default 8)")
-    channels: int = option(8, "L, scalar channel functions per projection; D = M x L (paper default 8)")
+    projections: int | None = option(None, "M, learned projections w_i^T x + b_i per token; null: head_dim "
+                                     "(the conversion default; the paper uses 8)")
+    channels: int = option(2, "L, scalar channel functions per projection; D = M x L (conversion default 2, "
+                           "paper 8)")
     hidden: int = option(64, "hidden units of each channel MLP, i.e. its knots (paper listing: 64)")
     shared_channels: bool = option(False, "one 1 -> hidden -> L MLP for all channels (the listing's shared variant)")
     envelope: bool = option(False, "envelope gate h(x) in [0, 1]^L from the token (an ablated variant)")
     channel_bank: str = option("mlp", "mlp (learned MLPs), fourier (fixed sin/cos) or bank (fixed basis, "
                                "learned weights): the paper's ablations")
-    channel_init: str = option("random", "random (MLP default init) or exp (derived: channels start at exp(c u))")
-    per_head_projections: bool = option(False, "derived: one W, b per head (the listing shares them over heads)")
-    projection_init: str = option("random", "random (randn / sqrt(d)) or identity (derived: W = I, needs "
-                                  "projections == head_dim)")
-    exp_rate: float = option(0.5, "channel_init exp: the rates are +-exp_rate, +-2 exp_rate, ... (derived)")
-    feature_norm: str = option("none", "none, or channel (derived): each channel's features sum to 1 over the "
+    channel_init: str = option("exp", "channel_bank mlp: exp (derived: channels start at exp(c u)) or random "
+                               "(the MLP default init, the paper's)")
+    per_head_projections: bool = option(True, "derived: one W, b per head (the paper's listing shares them over "
+                                        "heads: false)")
+    projection_init: str = option("identity", "identity (derived: projection i reads coordinate i mod d, W = I "
+                                  "when M = d) or random (randn / sqrt(d), the paper's)")
+    exp_rate: float = option(1.0, "channel_init exp: the rates are +-exp_rate, +-2 exp_rate, ... (derived)")
+    feature_norm: str = option("channel", "none (the paper's), or channel (derived): each channel's features sum to 1 over the "
                                "projections, per token (with exp(+-u) channels and W = I: Hedgehog's softmax pair)")
     fast: bool = option(True, "evaluate the mlp bank from sorted knots (same values as the MLP, less memory)")
 
+    # Folders saved before these options existed were converted with the paper's form.
+    saved_before: ClassVar[Mapping[str, Any]] = MappingProxyType({
+        "channel_init": "random", "per_head_projections": False, "projection_init": "random",
+        "exp_rate": 0.5, "feature_norm": "none"})
+
     def __post_init__(self):
         super().__post_init__()
-        check_positive_int(self, "projections", "channels", "hidden")
+        check_positive_int(self, "channels", "hidden")
+        if self.projections is not None:
+            check_positive_int(self, "projections")
         check_choice("channel_bank", self.channel_bank, tuple(CHANNEL_BANKS))
-        if self.channel_init != "random" and self.channel_bank != "mlp":
-            raise ValueError(f"channel_init {self.channel_init!r} applies to channel_bank 'mlp' only")
-        check_channel_init(self.channel_init, self.shared_channels)
+        check_channel_init(self.channel_init)
         if self.channel_bank == "fourier":
             check_fourier_channels(self.channels)
         check_choice("projection_init", self.projection_init, PROJECTION_INITS)
@@ -188,24 +200,25 @@ class LunaFeatureMap(FeatureMap):
     def __init__(self, head_dim: int, num_heads: int, options: LunaOptions | None = None, **overrides):
         super().__init__(head_dim, num_heads, options, **overrides)
         o = self.options
-        if o.projection_init == "identity" and o.projections != head_dim:
-            raise ValueError(f"projection_init 'identity' needs projections == head_dim ({head_dim}), got {o.projections}")
-        self.projections, self.channels, self.fast = o.projections, o.channels, o.fast
+        projections = o.projections or head_dim
+        self.projections, self.channels, self.fast = projections, o.channels, o.fast
         if o.per_head_projections:
             # [H, d, M] and [H, 1, M]: u = x W_h + b_h per head; same init as the shared Linear.
             self.proj = None
-            self.head_proj_weight = nn.Parameter(torch.randn(num_heads, head_dim, o.projections) * head_dim**-0.5)
-            self.head_proj_bias = nn.Parameter(torch.zeros(num_heads, 1, o.projections))
+            self.head_proj_weight = nn.Parameter(torch.randn(num_heads, head_dim, projections) * head_dim**-0.5)
+            self.head_proj_bias = nn.Parameter(torch.zeros(num_heads, 1, projections))
         else:
-            self.proj = nn.Linear(head_dim, o.projections)
+            self.proj = nn.Linear(head_dim, projections)
             nn.init.normal_(self.proj.weight, std=head_dim**-0.5)
             nn.init.zeros_(self.proj.bias)
-        if o.projection_init == "identity":  # u = x: each projection reads one coordinate, as Hedgehog's W = I
+        if o.projection_init == "identity":
+            # Projection i reads coordinate i mod d (W = I when M = d, as Hedgehog's init).
+            picks = torch.eye(head_dim)[torch.arange(projections) % head_dim]  # [M, d]
             with torch.no_grad():
                 if self.proj is None:
-                    self.head_proj_weight.copy_(torch.eye(head_dim).expand(num_heads, -1, -1))
+                    self.head_proj_weight.copy_(picks.T.expand(num_heads, -1, -1))
                 else:
-                    self.proj.weight.copy_(torch.eye(head_dim))
+                    self.proj.weight.copy_(picks)
         if o.channel_bank == "mlp":
             self.psi = ScalarChannels(o.channels, o.hidden, shared=o.shared_channels, init=o.channel_init,
                                       exp_rate=o.exp_rate)
@@ -261,10 +274,21 @@ LUNA = register(Method(
     details="""Confirmed (paper Eq. 11 and Listing 1): phi(x) = h(x)/sqrt(M) [psi_l(w_i^T x + b_i)], W init
 randn/sqrt(d), b = 0, shared over tokens and heads; psi_l a 1 -> 64 -> 1 ReLU MLP with a ReLU on the
 output; M = L = 8 (D = 64); no envelope by default; the ablated banks (fixed RFF sin/cos, bank +
-coefficients, envelope) are options; one map for q and k; recipe: swap, then finetune, no distillation.
-Derived (options, recorded in linear_attention.json): the DWC branch's form (FLatten-style depthwise
-conv on V: Conv1d over text tokens with pads zeroed, k x k Conv2d on the ViT patch grid, prefix tokens
-none, zero-initialised); channel_init 'exp' with exp_rate; per_head_projections; projection_init
-'identity'; feature_norm 'channel'.""",
-    distill=False,
+coefficients, envelope) are options; one map for q and k; the paper's recipe: swap, then finetune, no
+distillation.
+The conversion defaults here are derived, chosen by measurement (docs/quality.md): the paper's form
+recovered less of the teacher than Hedgehog after distillation (attention KL 0.27 vs 0.09 after 60
+steps on MiniLM), so the default starts LUNA at softmax's exponential, a special case of its
+parameterisation (paper Sec. 1): one W = I per head (M = head_dim, per_head_projections,
+projection_init 'identity'), L = 2 channels initialised at exp(+u) and exp(-u) (channel_init 'exp',
+exp_rate 1), each channel's features normalised over the projections (feature_norm 'channel'); with these
+the map starts equal to Hedgehog's (up to the piecewise-linear channels) and learns its channel
+functions on top. Recipe: distil attention, then finetune, with train.added_lr for what conversion adds.
+The paper's form: --set method_options.projections=8 method_options.channels=8
+method_options.per_head_projections=false method_options.projection_init=random
+method_options.channel_init=random method_options.feature_norm=none (and --distill-steps 0).
+Also derived: the DWC branch's form (FLatten-style depthwise conv on V: Conv1d over text tokens with
+pads zeroed, k x k Conv2d on the ViT patch grid, prefix tokens none, zero-initialised).""",
+    distill=True,
+    recipe={"train.added_lr": 1e-3},
 ))
