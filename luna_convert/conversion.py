@@ -9,7 +9,7 @@ from typing import Callable
 
 from torch import nn
 
-from .adapters import (attention_like_classes, check_no_position_biases, find_adapter, linearize, patch_grid,
+from .adapters import (attention_like_classes, check_supported, find_adapter, linearize, patch_grid,
                        LinearizedAttention)
 from .errors import ConversionError
 from .layers.attention import LinearAttention
@@ -101,7 +101,7 @@ def convert(
         raise ConversionError("this model is already converted to linear attention; convert the original checkpoint instead")
     resolved = resolve_options(method, options)
     grid = patch_grid(model)
-    check_no_position_biases(model)
+    check_supported(model)
 
     targets = [(name, module, adapter) for name, module in model.named_modules()
                if (adapter := find_adapter(module)) is not None and (filter_fn is None or filter_fn(module, name))]
@@ -110,8 +110,9 @@ def convert(
         raise ConversionError(
             f"no supported softmax self-attention in {type(model).__name__} (attention classes found: "
             f"{', '.join(found) or 'none'}); supported: bidirectional softmax self-attention with absolute "
-            "positions in transformers BERT-family (DistilBERT too) and ViT models and timm VisionTransformer "
-            "(causal/decoder, cross-attention, rotary and relative-position attention are not)"
+            "positions in transformers BERT-family (DistilBERT, ALBERT too), ViT/DeiT/DINOv2 and CLIP/SigLIP vision "
+            "models and timm VisionTransformer (causal/decoder, cross-attention, rotary and relative-position "
+            "attention are not; see docs/architectures.md)"
         )
 
     # Build every replacement before touching the model, so that bad option values

@@ -1,0 +1,165 @@
+"""What every adapter shares: the converted-attention mixin, the key-padding mask and call-signature helpers."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from ..layers.attention import LinearAttention
+from ..errors import ConversionError
+from ..ops.reference import softmax_attention_weights
+from .grid import PatchGrid
+
+# An additive mask value at or below this removes the key from softmax exactly
+# (exp(-1000) is 0 in every float format): v4 eager (finfo.min), the -10000
+# convention of older code and -inf all count as padding.
+_ADDITIVE_DROP = -1000.0
+
+
+def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Normalise any attention mask reaching self-attention to bool [B, N] (True = real key).
+
+    Accepts [B, N] 0/1 or bool masks, and [B, 1|H, 1|N, N] (or [B, 1|N, N]) bool
+    (True = keep) or additive float masks (0 = keep, very negative = drop), as
+    built by transformers v4 (eager: [B,1,1,N] additive; sdpa: [B,1,N,N]
+    additive) and v5 (eager: [B,1,N,N] additive; sdpa: [B,1,N,N] bool).
+    An all-real mask becomes None.
+
+    Linear attention can only drop keys, so a mask whose real query rows do
+    not all share one key pattern (causal, block or per-query masks) is
+    refused instead of being silently approximated. Query rows that keep
+    nothing or everything (how some libraries treat pad queries) are allowed.
+    """
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):  # e.g. a flex-attention BlockMask
+        raise ValueError(
+            f"linear attention cannot read a {type(mask).__name__} attention mask; load the model with "
+            "attn_implementation='eager' or 'sdpa'"
+        )
+    if mask.dtype == torch.bool:
+        keep = mask
+    elif mask.dim() == 2 and not bool((mask < 0).any()):
+        keep = mask > 0  # 0/1 (or 0/positive) key-padding mask
+    else:  # additive
+        keep = mask > _ADDITIVE_DROP
+        if bool((keep & (mask != 0)).any()):  # neither keep (0) nor drop: a score bias
+            raise ValueError("the attention mask adds biases to the scores (e.g. a relative-position bias), not only "
+                             "key padding; linear attention cannot apply them")
+    if keep.dim() == 4:
+        keep = keep[:, 0]  # the head axis is 1 (or repeats the same pattern)
+    if keep.dim() == 3:
+        # Bidirectional padding masks repeat the key pattern on every query row;
+        # pick the row that keeps the fewest (but some) keys as the pattern.
+        n = keep.shape[-1]
+        counts = keep.sum(-1)
+        counts = counts.masked_fill(counts == 0, n + 1)
+        row = counts.argmin(-1)
+        pattern = keep[torch.arange(keep.shape[0], device=keep.device), row]  # [B, N]
+        if keep.shape[1] > 1:
+            full_or_empty = keep.all(-1) | ~keep.any(-1)
+            same = (keep == pattern[:, None, :]).all(-1)
+            if not bool((same | full_or_empty).all()):
+                raise ValueError(
+                    "linear attention supports key-padding masks only; this attention mask varies across query "
+                    "rows (causal or structured masks cannot be linearised)"
+                )
+        keep = pattern
+    elif keep.dim() != 2:
+        raise ValueError(f"unsupported attention mask shape {tuple(mask.shape)}")
+    return None if bool(keep.all()) else keep
+
+
+class LinearizedAttention:
+    """Marker mixin shared by every converted attention class."""
+
+    linear_attn: LinearAttention
+    patch_grid: PatchGrid | None = None
+    _original_forward_params: tuple[str, ...] = ()  # set per class by ``registry.linearized_class``
+
+    def _call_arguments(self, args: tuple, kwargs: dict) -> dict:
+        """The call's arguments by name, whatever the library version passed positionally
+        (v4 ViT: ``(hidden_states, head_mask)``; v4 BERT: ``(hidden_states, attention_mask,
+        head_mask, encoder_hidden_states, ...)``; v5: ``(hidden_states, attention_mask, ...)``)."""
+        return {**dict(zip(self._original_forward_params, args)), **kwargs}
+
+    def _attend(self, q, k, v, mask, head_mask=None, output_attentions: bool = False):
+        """q, k, v: [B, H, N, d] -> ([B, N, H*d], attention weights [B, H, N, N] or None)"""
+        b, _, n, _ = q.shape
+        key_mask = key_padding_mask(mask)
+        if self.linear_attn.dwc is not None and self.linear_attn.dwc.spatial:
+            grid, prefix = self.patch_grid.layout(n)
+            out = self.linear_attn(q, k, v, key_mask, grid, prefix)
+        else:
+            out = self.linear_attn(q, k, v, key_mask)
+        if head_mask is not None:  # v4 head pruning mask: [num_heads] or broadcastable [1|B, H, 1, 1]
+            if head_mask.dim() == 1:
+                head_mask = head_mask[None, :, None, None]
+            if head_mask.dim() != 4 or head_mask.shape[-2:] != (1, 1):
+                raise ValueError(f"linear attention supports per-head masks only, got head_mask {tuple(head_mask.shape)}")
+            out = out * head_mask.to(out.dtype)
+        weights = None
+        if output_attentions:
+            la = self.linear_attn
+            # The weights that produced the output: softmax while distilling, else the linear ones.
+            weights = (softmax_attention_weights(q, k, la.softmax_scale, key_mask) if la.distill
+                       else la.attention_weights(q, k, key_mask))
+            if head_mask is not None:
+                weights = weights * head_mask.to(weights.dtype)
+        return out.transpose(1, 2).reshape(b, n, -1), weights
+
+
+def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[B, N, H*d] -> [B, H, N, d]"""
+    b, n, _ = x.shape
+    return x.view(b, n, -1, head_dim).transpose(1, 2)
+
+
+def check_self_attention(call: dict) -> None:
+    if call.get("encoder_hidden_states") is not None:
+        raise ConversionError("linear attention replaces self-attention only; cross-attention inputs were given")
+
+
+def has_linears(module: nn.Module, *names: str) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+
+
+def is_self_attention(module: nn.Module) -> bool:
+    return not getattr(module, "is_causal", False) and not getattr(module, "is_decoder", False)
+
+
+def forward_params(cls: type, positional: bool = True) -> tuple[str, ...]:
+    """Names of ``cls.forward``'s parameters after ``self`` and the hidden states: those that
+    can be passed positionally, or (``positional=False``) every named one (``*args``/``**kwargs`` excluded)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    leading = [p.name for p in params if p.kind in kinds]
+    keyword = [] if positional else [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return tuple(leading[2:] + keyword)
+
+
+# Arguments a plain softmax self-attention may take besides the hidden states. A forward
+# with any other input (rotary ``sinusoidal_pos``/``position_embeddings``, relative-position
+# biases, layout boxes, ...) uses information linear attention would silently drop.
+PLAIN_HF_ARGS = frozenset({
+    "attention_mask", "head_mask", "encoder_hidden_states", "encoder_attention_mask", "past_key_value",
+    "past_key_values", "cache", "output_attentions", "cache_position", "use_cache",
+})
+
+
+def plain_hf_forward(module: nn.Module, also: frozenset[str] = frozenset()) -> bool:
+    """``module``'s forward takes nothing but the plain arguments (and ``also``, which its adapter handles)."""
+    return set(forward_params(type(module), positional=False)) <= PLAIN_HF_ARGS | also
+
+
+def config_position_embedding_type(module: nn.Module) -> str:
+    """BERT-family position embedding type of an attention module: v4 keeps it on the module, v5 only
+    in the config (v5 no longer implements relative positions, so a relative checkpoint loads without them)."""
+    kind = getattr(module, "position_embedding_type", None) or getattr(getattr(module, "config", None),
+                                                                       "position_embedding_type", None)
+    return kind or "absolute"
