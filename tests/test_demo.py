@@ -88,3 +88,8 @@ def test_demo_converts_the_shipped_teacher_without_training_it(tmp_path, monkeyp
                   "converted 4 attention modules to luna", "distilling attention for 2 steps",
                   "finetuning on the task for 2 steps", "scoring the converted model", f"results in {run_dir}"]:
         assert words in text, words
+    # The original model of a demo run is the shipped teacher, also for `attention-map --original teacher`.
+    from luna_convert.attention_map import attention_map_command
+
+    _, amap = attention_map_command(run_dir, image="digits:1", original="teacher", output=tmp_path / "map.png")
+    assert amap.original == str(SHIPPED)
