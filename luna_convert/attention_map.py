@@ -349,7 +349,10 @@ def _original_model(original: str, run_dir: Path, run_config: dict | None, num_l
         source = str(run_config["model"])
         if source.startswith("builtin:"):
             name = source.split(":", 1)[1]
-            candidates = [run_dir.parent / "teachers" / name, Path(run_config.get("output_dir", "outputs")) / "teachers" / name]
+            from .teachers import builtin_dir
+
+            # shipped in the package (checked), or cached beside the run
+            candidates = [builtin_dir(name, run_dir.parent), builtin_dir(name, run_config.get("output_dir", "outputs"))]
             found = next((c for c in candidates if (c / "linear_attention.json").is_file()), None)
             if found is None:
                 raise LunaConvertError(f"the run's original model {source} is not cached (looked in "

@@ -380,6 +380,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     if teacher_file.is_file():
         teacher = _read_json(teacher_file, "teacher score")
     else:
+        say(f"scoring the original model on the {' and '.join(eval_loaders)} split")
         t0 = time.perf_counter()
         metrics, _ = score(accelerator, model, eval_loaders, task)
         teacher = {"metrics": metrics, "seconds": time.perf_counter() - t0}
@@ -431,6 +432,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         load_weights(model, str(distilled_dir / "model.safetensors"))
         timings["distill_s"] = distilled["seconds"]
     elif n_distill:
+        say(f"distilling attention for {n_distill} steps: each linear attention learns to match its softmax attention")
         d = config["distill"]
         stage = distill_attention(accelerator, model, accelerator.prepare_data_loader(
             data.train_loader(d["batch_size"])), steps=n_distill, lr=d["lr"], log=log)
@@ -446,6 +448,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     t = config["train"]
     total = steps_for(config, train_loader, accelerator)
     start = state["step"] if state and state["stage"] == "finetune" else 0
+    say(f"finetuning on the task for {total} steps" + (f" (from step {start})" if start else ""))
     set_seed(config["seed"] + 1)
     model, stage = finetune(accelerator, model, train_loader, steps=total, lr=t["lr"], weight_decay=t["weight_decay"],
                             schedule=t["schedule"], warmup_ratio=t["warmup_ratio"], max_grad_norm=t["max_grad_norm"],
@@ -454,6 +457,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     timings["finetune_s"] = stage.seconds
 
     # 5. The converted score, 6. save.
+    say(f"scoring the converted model on the {' and '.join(eval_loaders)} split")
     t0 = time.perf_counter()
     metrics, counted = score(accelerator, model, eval_loaders, task)
     timings["eval_s"] = time.perf_counter() - t0

