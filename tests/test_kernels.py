@@ -10,7 +10,7 @@ import torch
 
 from luna_convert.layers.attention import LinearAttention
 from luna_convert.linear_methods import luna_kernel
-from luna_convert.linear_methods.luna import LunaFeatureMap, ScalarChannels
+from luna_convert.linear_methods.luna import PAPER_OPTIONS, LunaFeatureMap, ScalarChannels
 from luna_convert.linear_methods.luna_kernel import KnotLocator, channel_tables, scalar_channels
 from luna_convert.ops import dwc, streamed
 from luna_convert.ops.linear import linear_attention, linear_attention_core
@@ -102,7 +102,7 @@ def test_low_precision_and_autocast():
     assert out.dtype == torch.bfloat16
     # measured 3.9e-3 (bf16 rounding of values up to 1.9)
     torch.testing.assert_close(out.float(), psi(u.bfloat16().float()), rtol=0, atol=1.5e-2)
-    fm = LunaFeatureMap(16, 2)
+    fm = LunaFeatureMap(16, 2, **PAPER_OPTIONS)  # random knots: the kernel's general case
     x = torch.randn(1, 2, 10, 16, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = fm(x)
@@ -154,8 +154,8 @@ def test_cache_follows_parameter_updates():
 @pytest.mark.parametrize("shared", [False, True])
 def test_feature_map_fast_equals_reference(envelope, shared):
     torch.manual_seed(0)
-    fast = LunaFeatureMap(32, 4, envelope=envelope, shared_channels=shared, fast=True)
-    slow = LunaFeatureMap(32, 4, envelope=envelope, shared_channels=shared, fast=False)
+    fast = LunaFeatureMap(32, 4, envelope=envelope, shared_channels=shared, fast=True, **PAPER_OPTIONS)
+    slow = LunaFeatureMap(32, 4, envelope=envelope, shared_channels=shared, fast=False, **PAPER_OPTIONS)
     slow.load_state_dict(fast.state_dict())
     x = torch.randn(2, 4, 33, 32, requires_grad=True)
     a, b = fast(x), slow(x)
@@ -249,8 +249,8 @@ def test_depthwise_conv_tokens_matches_torch_conv(grid, kernel):
 def test_tables_cached_under_inference_mode_are_not_saved_for_backward():
     """Evaluate under inference mode, freeze the feature map, train what is around it (issue 15, item 1)."""
     torch.manual_seed(0)
-    fm = LunaFeatureMap(8, 2)
-    reference = LunaFeatureMap(8, 2, fast=False)
+    fm = LunaFeatureMap(8, 2, **PAPER_OPTIONS)
+    reference = LunaFeatureMap(8, 2, fast=False, **PAPER_OPTIONS)
     reference.load_state_dict(fm.state_dict())
     x = torch.randn(1, 2, 6, 8)
     with torch.inference_mode():
@@ -287,7 +287,7 @@ def test_streamed_backward_table_scope_is_per_thread():
     import threading
 
     torch.manual_seed(0)
-    layer = LinearAttention("luna", 8, 2, 8**-0.5, dwc=False).train()  # the attention alone
+    layer = LinearAttention("luna", 8, 2, 8**-0.5, dwc=False, **PAPER_OPTIONS).train()  # the attention alone
     params = list(layer.parameters())
     q, k, v = (torch.randn(1, 2, 20, 8) for _ in range(3))
     b_inside, b_release, a_inside = threading.Event(), threading.Event(), threading.Event()

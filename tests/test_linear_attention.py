@@ -251,8 +251,12 @@ def test_relu_maps_with_dead_features_stay_finite(name):
     layer = make_layer(name, 8, 2)
     with torch.no_grad():  # push every pre-activation negative: all features zero
         proj = layer.phi_q.proj
-        proj.weight.zero_()
-        proj.bias.fill_(-5.0)
+        if proj is not None:
+            proj.weight.zero_()
+            proj.bias.fill_(-5.0)
+        else:  # LUNA's per-head projections (its default); the dead channels below zero every feature
+            layer.phi_q.head_proj_weight.zero_()
+            layer.phi_q.head_proj_bias.fill_(-5.0)
         if name == "luna":
             layer.phi_q.psi.b2.fill_(-5.0)
             layer.phi_q.psi.w2.zero_()

@@ -185,6 +185,11 @@ class LunaOptions(AttentionOptions):
             raise ValueError(f"exp_rate must be a positive number, got {self.exp_rate!r}")
 
 
+# The paper's form (Eq. 11, Listing 1) in these options: `convert(model, "luna", **PAPER_OPTIONS)`.
+PAPER_OPTIONS = MappingProxyType({"projections": 8, "channels": 8, "per_head_projections": False,
+                                  "projection_init": "random", "channel_init": "random", "feature_norm": "none"})
+
+
 class LunaFeatureMap(FeatureMap):
     """phi(x) = h(x)/sqrt(M) * [psi_l(w_i^T x + b_i)]_{i<=M, l<=L}  (LUNA, Eq. 11).
 
