@@ -528,7 +528,7 @@ def test_float64_is_computed_in_float64(name, path):
 
     with torch.no_grad():
         out = forward(q, k, v)
-        ref = explicit_attention(*layer.features(q, k), v, mask) + layer.dwc(v, mask)
+        ref = explicit_attention(*layer.features(q, k), v, mask, layer.eps) + layer.dwc(v, mask)  # the method's own eps
     assert out.dtype == torch.float64
     rows = mask[:, None, :, None].expand_as(out)
     torch.testing.assert_close(out[rows], ref[rows], rtol=0, atol=5e-15)  # measured 8.9e-16
