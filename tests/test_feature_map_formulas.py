@@ -6,6 +6,7 @@ A new method must add its formula to FORMULAS: the test fails for any registered
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -70,7 +71,22 @@ def hedgehog_formula(fm, x):
     return torch.stack(out, 1)
 
 
-# name -> (formula, whether q is scaled by head_dim**-0.5 before the map, variants' options)
+def ela_formula(fm, x, role):
+    """exp: exp(x/tau - c), c = max over d per query, one max over all keys and dims for keys;
+    l2sum / l2sub: queries [x, ||x||^2, 1], keys [+-2x, 1, ||x||^2]."""
+    kernel = fm.options.kernel
+    if kernel == "exp":
+        z = x / torch.exp(fm.log_temperature)
+        c = z.amax(-1, keepdim=True) if role == "query" else z.amax(dim=(-2, -1), keepdim=True)
+        return torch.exp(z - c)
+    sq = (x * x).sum(-1, keepdim=True)
+    if role == "query":
+        return torch.cat([x, sq, torch.ones_like(sq)], -1)
+    return torch.cat([(2 if kernel == "l2sum" else -2) * x, torch.ones_like(sq), sq], -1)
+
+
+# name -> (formula, whether q is scaled by head_dim**-0.5 before the map, variants' options).
+# A formula that differs between the query and the key side takes a third argument, role ("query" / "key").
 FORMULAS = {
     "luna": (luna_formula, False, [{}, {"fast": False}, {"shared_channels": True},
                                    {"shared_channels": True, "fast": False}, {"envelope": True},
@@ -80,6 +96,7 @@ FORMULAS = {
     "t2r": (t2r_formula, True, [{}, {"feature_dim": 9}]),
     "t2r-hh": (t2r_formula, True, [{}]),
     "hedgehog": (hedgehog_formula, False, [{}]),
+    "ela": (ela_formula, False, [{}, {"kernel": "l2sum"}, {"kernel": "l2sub"}]),
 }
 
 
@@ -103,8 +120,9 @@ def test_feature_map_equals_its_formula(name):
         phi_k = layer.phi_k or layer.phi_q
         with torch.no_grad():
             got_q, got_k = layer.features(q, k)
-            want_q = formula(layer.phi_q, q * HEAD_DIM**-0.5 if prescale else q)
-            want_k = formula(phi_k, k)
+            sided = "role" in inspect.signature(formula).parameters
+            want_q = formula(layer.phi_q, q * HEAD_DIM**-0.5 if prescale else q, *(["query"] if sided else []))
+            want_k = formula(phi_k, k, *(["key"] if sided else []))
         assert float(want_q.abs().max()) > 0 and float(want_k.abs().max()) > 0  # not a trivial all-zero case
         torch.testing.assert_close(got_q, want_q, rtol=0, atol=ATOL, msg=lambda m: f"{name} {options} phi(q): {m}")
         torch.testing.assert_close(got_k, want_k, rtol=0, atol=ATOL, msg=lambda m: f"{name} {options} phi(k): {m}")

@@ -101,6 +101,11 @@ class LinearAttention(nn.Module):
     def feature_dim(self) -> int:
         return (self.kernel if self.phi_q is None else self.phi_q).feature_dim
 
+    @property
+    def clamp_denominator(self) -> bool:
+        """Signed features: divide by max(den, eps), as den + eps could still be 0 or negative."""
+        return self.phi_q is not None and self.phi_q.signed_features
+
     def method_parameters(self) -> list[nn.Parameter]:
         """What the method added (feature maps or kernel), DWC excluded: what distillation trains."""
         return [p for m in (self.phi_q, self.phi_k, self.kernel) if m is not None for p in m.parameters()]
@@ -113,13 +118,14 @@ class LinearAttention(nn.Module):
 
     def features(self, q: torch.Tensor, k: torch.Tensor,
                  context: AttentionContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        key_context = None if context is None else context.for_role("key")
+        # Keys always get the key role: a map may treat them differently (asymmetric or stabilised maps).
+        key_context = (AttentionContext(None, k.shape[2]) if context is None else context).for_role("key")
         return self.query_features(q, context), self.key_features(k, key_context)
 
     def stream_chunk(self, batch: int, tokens: int, training: bool = True) -> int | None:
         """Tokens per chunk for the streamed path, or None when all features fit comfortably at once
         (or, when gradients are needed, the map prefers to keep its own saved state)."""
-        if self.phi_q is None or not self.phi_q.token_wise:
+        if self.phi_q is None or not self.phi_q.token_wise or self.phi_q.signed_features:
             return None
         if training and not self.phi_q.stream_when_training:
             return None
@@ -143,7 +149,7 @@ class LinearAttention(nn.Module):
             needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params))
             chunk = self.stream_chunk(v.shape[0], v.shape[2], needs_grad) if v.device.type == "cpu" else None
             if chunk is None:
-                out = linear_attention(*self.features(q, k, context), v, key_mask, self.eps)
+                out = linear_attention(*self.features(q, k, context), v, key_mask, self.eps, self.clamp_denominator)
             else:
                 out = streamed_linear_attention(q, k, v, self.query_features, self.key_features, params,
                                                 key_mask, self.eps, chunk, q_context=context,
@@ -159,4 +165,4 @@ class LinearAttention(nn.Module):
             context = AttentionContext(key_mask, q.shape[2])
         if self.kernel is not None:
             return self.kernel.weights(q, k, key_mask, context)
-        return linear_attention_weights(*self.features(q, k, context), key_mask, self.eps)
+        return linear_attention_weights(*self.features(q, k, context), key_mask, self.eps, self.clamp_denominator)

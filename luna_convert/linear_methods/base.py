@@ -112,12 +112,15 @@ class FeatureMap(MethodCore, abc.ABC):
       stream_when_training  long inputs go through the map in chunks of tokens
                       (``ops.streamed``) at inference always (token-wise maps), and in training
                       too unless this is False
+      signed_features features may be negative, so a row's sum phi(q)^T z may be <= 0: the layer
+                      divides by max(phi(q)^T z, eps) instead of adding eps (never streamed)
     """
 
     shared_qk: bool = True
     prescale_query: bool = False
     token_wise: bool = True
     stream_when_training: bool = True
+    signed_features: bool = False
 
     @property
     @abc.abstractmethod

@@ -25,43 +25,55 @@ class _LinearAttentionCore(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, eps):
+    def forward(ctx, phi_q, phi_k, v, eps, clamp):
         kv_t = torch.matmul(v.transpose(-1, -2), phi_k)  # S^T [B, H, d, D]
         z = phi_k.sum(dim=-2, keepdim=True)  # [B, H, 1, D]
-        r = torch.matmul(phi_q, z.transpose(-1, -2)).add_(eps).reciprocal_()  # 1 / (phi_q z + eps) [B, H, N, 1]
+        den = torch.matmul(phi_q, z.transpose(-1, -2))  # [B, H, N, 1]
+        if clamp:  # 1 / max(phi_q z, eps); where clamped, the denominator passes no gradient
+            unclamped = den > eps
+            r = den.clamp_min_(eps).reciprocal_()
+        else:  # 1 / (phi_q z + eps)
+            unclamped = None
+            r = den.add_(eps).reciprocal_()
         out = torch.matmul(phi_q, kv_t.transpose(-1, -2)).mul_(r)  # [B, H, N, d]
-        ctx.save_for_backward(phi_q, phi_k, v, kv_t, z, r)
+        ctx.save_for_backward(phi_q, phi_k, v, kv_t, z, r, unclamped)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        phi_q, phi_k, v, kv_t, z, r = ctx.saved_tensors
+        phi_q, phi_k, v, kv_t, z, r, unclamped = ctx.saved_tensors
         grad_num = grad_out * r  # d loss / d (phi_q S)   [B, H, N, d]
         grad_q = torch.matmul(grad_num, kv_t)  # its part of phi_q's gradient   [B, H, N, D]
         # d loss / d (phi_q z) = -(grad_out . out) r, and grad_out . out = (grad_num S^T) . phi_q
         grad_den = torch.linalg.vecdot(grad_q, phi_q).unsqueeze_(-1).mul_(r).neg_()  # [B, H, N, 1]
+        if unclamped is not None:
+            grad_den.mul_(unclamped)
         grad_q.addcmul_(grad_den, z)
         grad_kv_t = torch.matmul(grad_num.transpose(-1, -2), phi_q)  # [B, H, d, D]
         grad_z = torch.matmul(grad_den.transpose(-1, -2), phi_q)  # [B, H, 1, D]
         grad_k = torch.matmul(v, grad_kv_t).add_(grad_z) if ctx.needs_input_grad[1] else None
         grad_v = torch.matmul(phi_k, grad_kv_t.transpose(-1, -2)) if ctx.needs_input_grad[2] else None
-        return grad_q if ctx.needs_input_grad[0] else None, grad_k, grad_v, None
+        return grad_q if ctx.needs_input_grad[0] else None, grad_k, grad_v, None, None
 
 
-def linear_attention_core(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
-    """phi_q S / (phi_q z + eps) for [B, H, N, D] features and [B, H, N, d] values, all of one float dtype.
+def linear_attention_core(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float,
+                          clamp: bool = False) -> torch.Tensor:
+    """phi_q S / (phi_q z + eps) for [B, H, N, D] features and [B, H, N, d] values, all of one float dtype
+    (``clamp``: phi_q S / max(phi_q z, eps), the guard for signed features, whose sums can be <= 0).
 
     The caller handles masking (zeroed phi_k rows) and dtypes; see
     ``linear_attention`` below.
     """
-    return _LinearAttentionCore.apply(phi_q, phi_k, v, eps)
+    return _LinearAttentionCore.apply(phi_q, phi_k, v, eps, clamp)
 
 
 def linear_attention(
-    phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None, eps: float = EPS
+    phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None, eps: float = EPS,
+    clamp: bool = False,
 ) -> torch.Tensor:
-    """out_i = phi(q_i)^T S / (phi(q_i)^T z + eps), S = sum_j phi(k_j) v_j^T, z = sum_j phi(k_j).
+    """out_i = phi(q_i)^T S / (phi(q_i)^T z + eps), S = sum_j phi(k_j) v_j^T, z = sum_j phi(k_j)
+    (``clamp``: divided by max(phi(q_i)^T z, eps) instead, for signed features).
 
     Pads are removed by zeroing phi(k) (not k or v: phi(0) need not be 0).
     Sums and the division run in fp32 even under autocast, so bf16/fp16
@@ -73,5 +85,5 @@ def linear_attention(
         phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
         if key_mask is not None:
             phi_k = phi_k * key_mask[:, None, :, None].to(phi_k.dtype)
-        out = linear_attention_core(phi_q, phi_k, v, eps)
+        out = linear_attention_core(phi_q, phi_k, v, eps, clamp)
     return out.to(out_dtype)

@@ -14,14 +14,18 @@ EPS = 1e-6
 
 
 def linear_attention_weights(
-    phi_q: torch.Tensor, phi_k: torch.Tensor, key_mask: torch.Tensor | None = None, eps: float = EPS
+    phi_q: torch.Tensor, phi_k: torch.Tensor, key_mask: torch.Tensor | None = None, eps: float = EPS,
+    clamp: bool = False,
 ) -> torch.Tensor:
-    """Explicit A_ij = phi(q_i)^T phi(k_j) / (sum_m phi(q_i)^T phi(k_m) + eps), in fp32 (float64 for float64). [B, H, N, N]"""
+    """Explicit A_ij = phi(q_i)^T phi(k_j) / (sum_m phi(q_i)^T phi(k_m) + eps), in fp32 (float64 for float64). [B, H, N, N]
+
+    ``clamp``: the row sum is clamped at eps instead (signed features)."""
     compute = accumulation_dtype(phi_q, phi_k)
     scores = torch.einsum("bhnf,bhmf->bhnm", phi_q.to(compute), phi_k.to(compute))
     if key_mask is not None:
         scores = scores * key_mask[:, None, None, :]
-    return scores / (scores.sum(-1, keepdim=True) + eps)
+    den = scores.sum(-1, keepdim=True)
+    return scores / (den.clamp_min(eps) if clamp else den + eps)
 
 
 def softmax_attention_weights(
