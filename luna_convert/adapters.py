@@ -27,6 +27,7 @@ from torch import nn
 
 from .errors import ConversionError
 from .layers.attention import LinearAttention
+from .ops.context import AttentionContext
 from .ops.reference import softmax_attention_weights
 
 
@@ -110,7 +111,8 @@ class PatchGrid:
             return
         if self._source is None:
             raise ConversionError("cannot find the patch-embedding convolution of this vision model, which tells the "
-                                  "DWC branch the patch grid of each image; convert with dwc=False")
+                                  "DWC branch (and cosformer's prefix tokens) the patch grid of each image; convert "
+                                  "with dwc=False (cosformer: prefix_neutral=False)")
         self._source.register_forward_hook(self._record)
         self._source, self._attached = None, True
 
@@ -144,11 +146,8 @@ class LinearizedAttention:
         """q, k, v: [B, H, N, d] -> ([B, N, H*d], attention weights [B, H, N, N] or None)"""
         b, _, n, _ = q.shape
         key_mask = key_padding_mask(mask)
-        if self.linear_attn.dwc is not None and self.linear_attn.dwc.spatial:
-            grid, prefix = self.patch_grid.layout(n)
-            out = self.linear_attn(q, k, v, key_mask, grid, prefix)
-        else:
-            out = self.linear_attn(q, k, v, key_mask)
+        grid, prefix = self.patch_grid.layout(n) if self.linear_attn.uses_patch_layout else (None, 0)
+        out = self.linear_attn(q, k, v, key_mask, grid, prefix)
         if head_mask is not None:  # v4 head pruning mask: [num_heads] or broadcastable [1|B, H, 1, 1]
             if head_mask.dim() == 1:
                 head_mask = head_mask[None, :, None, None]
@@ -160,7 +159,7 @@ class LinearizedAttention:
             la = self.linear_attn
             # The weights that produced the output: softmax while distilling, else the linear ones.
             weights = (softmax_attention_weights(q, k, la.softmax_scale, key_mask) if la.distill
-                       else la.attention_weights(q, k, key_mask))
+                       else la.attention_weights(q, k, key_mask, AttentionContext(key_mask, n, prefix, grid)))
             if head_mask is not None:
                 weights = weights * head_mask.to(weights.dtype)
         return out.transpose(1, 2).reshape(b, n, -1), weights
@@ -414,7 +413,7 @@ def linearized_class(base: type, mixin: type) -> type:
 def linearize(module: nn.Module, adapter: Adapter, linear_attn: LinearAttention,
               patch_grid: PatchGrid | None = None) -> None:
     """Re-class ``module`` in place and attach ``linear_attn``; parameters are untouched."""
-    if linear_attn.dwc is not None and linear_attn.dwc.spatial:
+    if linear_attn.uses_patch_layout:
         patch_grid.attach()  # may refuse (no patch embedding found): before the module changes
     module.__class__ = linearized_class(type(module), adapter.mixin)
     module.linear_attn = linear_attn

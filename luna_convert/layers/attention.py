@@ -88,6 +88,7 @@ class LinearAttention(nn.Module):
             self.phi_q = self.phi_k = None
             self.kernel = spec.core(head_dim, num_heads, options)
         self.dwc = DepthwiseConvBranch(head_dim, options.dwc_kernel, spatial) if options.dwc else None
+        self.spatial = spatial
         self.distill = False
         # On the CPU, long inputs stream tokens in chunks (ops.streamed) once the float32
         # features of all tokens would exceed stream_min_bytes: glibc maps buffers over
@@ -101,6 +102,12 @@ class LinearAttention(nn.Module):
     def feature_dim(self) -> int:
         return (self.kernel if self.phi_q is None else self.phi_q).feature_dim
 
+    @property
+    def uses_patch_layout(self) -> bool:
+        """Image inputs must bring their patch grid and prefix count (spatial DWC, or a core reading the prefix)."""
+        core = self.kernel if self.phi_q is None else self.phi_q
+        return (self.dwc is not None and self.dwc.spatial) or (self.spatial and core.reads_prefix)
+
     def method_parameters(self) -> list[nn.Parameter]:
         """What the method added (feature maps or kernel), DWC excluded: what distillation trains."""
         return [p for m in (self.phi_q, self.phi_k, self.kernel) if m is not None for p in m.parameters()]
@@ -113,8 +120,9 @@ class LinearAttention(nn.Module):
 
     def features(self, q: torch.Tensor, k: torch.Tensor,
                  context: AttentionContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        key_context = None if context is None else context.for_role("key")
-        return self.query_features(q, context), self.key_features(k, key_context)
+        if context is None:  # still tell a shared map which side it is on (Performer's key stabiliser)
+            context = AttentionContext(None, q.shape[2])
+        return self.query_features(q, context), self.key_features(k, context.for_role("key"))
 
     def stream_chunk(self, batch: int, tokens: int, training: bool = True) -> int | None:
         """Tokens per chunk for the streamed path, or None when all features fit comfortably at once

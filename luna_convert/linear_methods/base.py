@@ -81,6 +81,9 @@ class MethodCore(nn.Module):
     """Common constructor: ``Core(head_dim, num_heads, options=None, **overrides)``."""
 
     options_class: type[AttentionOptions] = AttentionOptions
+    # True: the core reads the context's num_prefix (ViT prefix tokens), so the layer asks the model
+    # for each image input's patch layout even without a spatial DWC branch (cosFormer)
+    reads_prefix: bool = False
 
     def __init__(self, head_dim: int, num_heads: int, options: AttentionOptions | None = None, **overrides):
         super().__init__()
@@ -102,12 +105,15 @@ class FeatureMap(MethodCore, abc.ABC):
       stream_when_training  long inputs go through the map in chunks of tokens
                       (``ops.streamed``) at inference always (token-wise maps), and in training
                       too unless this is False
+      signed_features features may be negative while the kernel phi(q).phi(k) stays positive
+                      (Taylor); tests then check the kernel's sign instead of the features'
     """
 
     shared_qk: bool = True
     prescale_query: bool = False
     token_wise: bool = True
     stream_when_training: bool = True
+    signed_features: bool = False
 
     @property
     @abc.abstractmethod
