@@ -162,17 +162,21 @@ def test_performer_matrix_round_trips_through_the_saved_file(tmp_path):
 
 
 def test_performer_key_stabiliser_ignores_pad_keys():
-    """A pad key with a huge logit would set a max over all keys and underflow every real key."""
+    """A shift taken over the pads too would cancel in exact arithmetic, but not in float32: pad keys at
+    k~ = w_f reach the largest logit any key can have (|w_f|^2 / 2), and against that shift the
+    large-norm real keys' features underflow to 0."""
     layer = layer_of("performer").float()
     g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
-    k_padded = torch.cat([k, 200 * torch.randn(1, 2, 3, 8, generator=g)], 2)
+    q, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(2))
+    k = 10 * torch.randn(1, 2, 6, 8, generator=g)  # real logits about -100
+    pad_keys = layer.phi_q.random_features[:3] * 8**0.25  # logits |w_f|^2 / 2 > 0
     pad = lambda x: torch.cat([x, torch.randn(1, 2, 3, 8, generator=g)], 2)  # noqa: E731
     mask = torch.tensor([[True] * 6 + [False] * 3])
     with torch.no_grad():
         alone = layer(q, k, v)
-        padded = layer(pad(q), k_padded, pad(v), key_mask=mask)
-    # measured 0 (the same real keys, the same stabiliser); a max over the pads underflows every real key
+        padded = layer(pad(q), torch.cat([k, pad_keys.expand(1, 2, 3, 8)], 2), pad(v), key_mask=mask)
+    assert float(alone.abs().max()) > 0.1
+    # measured 0 (the same real keys, the same stabiliser)
     torch.testing.assert_close(padded[:, :, :6], alone, rtol=0, atol=1e-6)
 
 
