@@ -96,7 +96,8 @@ TAYLOR = register(Method(
 diagonal x_i^2/(sqrt(2) sqrt(d)) and off-diagonal x_i x_j/sqrt(d) (i < j), so phi(q).phi(k) = 1 + s + s^2/2
 with s = q.k/sqrt(d); no parameters; D = 1 + d + d(d+1)/2 = 2,145 at d = 64 (at BERT's N = 128 about 17x
 the FLOPs of softmax: it pays off only above N ~ 2k). 1 + s + s^2/2 >= 1/2, so den >= N/2. Pads: phi(0)
-= [1, 0, 0] is not 0, so phi(k) is zeroed. Pitfall: not monotone for s < -1.
+= [1, 0, 0] is not 0, so phi(k) is zeroed. Pitfalls: not monotone for s < -1; the features are signed, so
+float32 sums cancel (error ~1e-7 of sum_j |phi(q)|.|phi(k_j)| |v_j| / den: ~1e-3 at logits near 70).
 Recipe: swap, then finetune; no distillation (no parameters by default).
 Derived (options, recorded in linear_attention.json): project_dim d' (a learned per-head projection to
 d' dims first, random orthonormal init rather than Based's per-head PCA, which needs data; s keeps the
