@@ -6,7 +6,6 @@ A new method must add its formula to FORMULAS: the test fails for any registered
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import pytest
@@ -17,7 +16,8 @@ from luna_convert.linear_methods import FEATURE_MAPS
 
 HEAD_DIM, HEADS, TOKENS = 6, 2, 5
 # Float64 throughout. Measured max |library - formula|: luna 2.1e-14 (its features reach ~100 with
-# random weights), t2r 1.8e-15, hedgehog 5.6e-16.
+# random weights), t2r 1.8e-15, hedgehog 5.6e-16, taylor 3.6e-15, performer 2.8e-16, elu 1.1e-16, relu and
+# cosformer 0.
 ATOL = 1e-13
 
 
@@ -85,9 +85,66 @@ def ela_formula(fm, x, role):
     return torch.cat([(2 if kernel == "l2sum" else -2) * x, torch.ones_like(sq), sq], -1)
 
 
-# name -> (formula, whether q is scaled by head_dim**-0.5 before the map, variants' options).
-# A formula that differs between the query and the key side takes a third argument, role ("query" / "key").
+def elu_formula(fm, x):
+    """phi(x) = elu(x) + 1 = x + 1 for x > 0, exp(x) for x <= 0."""
+    return torch.where(x > 0, x + 1, torch.exp(x))
+
+
+def relu_formula(fm, x):
+    """phi(x) = max(x, 0)."""
+    return relu(x)
+
+
+def taylor_formula(fm, x):
+    """phi(x) = [1, x / d^(1/4), x_i x_j / sqrt(d) for i < j and x_i^2 / sqrt(2 d) for i = j, pairs row by row]
+    (x first projected per head, x_h P_h, with project_dim); d = head_dim. Then phi(q).phi(k) = 1 + s + s^2/2."""
+    d = fm.head_dim
+    if fm.projection is not None:
+        x = torch.stack([x[:, h] @ fm.projection[h] for h in range(x.shape[1])], 1)
+    width = x.shape[-1]
+    pairs = [x[..., i] * x[..., j] / math.sqrt(d) / (math.sqrt(2) if i == j else 1)
+             for i in range(width) for j in range(i, width)]
+    return torch.cat([torch.ones_like(x[..., :1]), x / d**0.25, torch.stack(pairs, -1)], -1)
+
+
+def performer_logits(fm, x):
+    """W x~ - |x~|^2 / 2 with x~ = d^(-1/4) x: [..., m]."""
+    xt = x / fm.head_dim**0.25
+    return xt @ fm.random_features.T - (xt**2).sum(-1, keepdim=True) / 2
+
+
+def performer_query_formula(fm, x):
+    """phi(q) = m^(-1/2) (exp(W q~ - |q~|^2/2 - c_q) + kernel_epsilon), c_q = max over features, per query."""
+    logits = performer_logits(fm, x)
+    m = logits.shape[-1]
+    return (torch.exp(logits - logits.max(-1, keepdim=True).values) + fm.options.kernel_epsilon) / math.sqrt(m)
+
+
+def performer_key_formula(fm, x):
+    """phi(k) = m^(-1/2) (exp(W k~ - |k~|^2/2 - c) + kernel_epsilon), c = one max over every key and feature,
+    per example and head (all keys real here)."""
+    logits = performer_logits(fm, x)
+    m = logits.shape[-1]
+    c = torch.stack([torch.stack([logits[b, h].max() for h in range(x.shape[1])]) for b in range(x.shape[0])])
+    return (torch.exp(logits - c[:, :, None, None]) + fm.options.kernel_epsilon) / math.sqrt(m)
+
+
+def cosformer_formula(fm, x):
+    """phi(x_i) = [relu(x_i) sin(pi i / 2M), relu(x_i) cos(pi i / 2M)], i = 0..n-1, M = n (no pads, no prefix)."""
+    n = x.shape[2]
+    angle = torch.tensor([math.pi * i / (2 * n) for i in range(n)], dtype=x.dtype)[:, None]
+    return torch.cat([relu(x) * torch.sin(angle), relu(x) * torch.cos(angle)], -1)
+
+
+# name -> (formula, or a (query formula, key formula) pair, whether q is scaled by head_dim**-0.5 before
+# the map, variants' options)
 FORMULAS = {
+    "elu": (elu_formula, False, [{}]),
+    "relu": (relu_formula, False, [{}]),
+    "taylor": (taylor_formula, False, [{}, {"project_dim": 3}]),
+    "performer": ((performer_query_formula, performer_key_formula), False,
+                  [{}, {"num_features": 9, "seed": 3}, {"kernel_epsilon": 1e-3}]),
+    "cosformer": (cosformer_formula, False, [{}, {"prefix_neutral": False}]),
     "luna": (luna_formula, False, [{}, {"fast": False}, {"shared_channels": True},
                                    {"shared_channels": True, "fast": False}, {"envelope": True},
                                    {"projections": 3, "channels": 5, "hidden": 7},
@@ -96,7 +153,8 @@ FORMULAS = {
     "t2r": (t2r_formula, True, [{}, {"feature_dim": 9}]),
     "t2r-hh": (t2r_formula, True, [{}]),
     "hedgehog": (hedgehog_formula, False, [{}]),
-    "ela": (ela_formula, False, [{}, {"kernel": "l2sum"}, {"kernel": "l2sub"}]),
+    "ela": ((lambda fm, x: ela_formula(fm, x, "query"), lambda fm, x: ela_formula(fm, x, "key")), False,
+            [{}, {"kernel": "l2sum"}, {"kernel": "l2sub"}]),
 }
 
 
@@ -112,6 +170,7 @@ def test_feature_map_equals_its_formula(name):
     if name not in FORMULAS:
         pytest.fail(f"feature map {name!r} has no formula in tests/test_feature_map_formulas.py: add one")
     formula, prescale, variants = FORMULAS[name]
+    query_formula, key_formula = formula if isinstance(formula, tuple) else (formula, formula)
     for options in variants:
         g = torch.Generator().manual_seed(0)
         layer = LinearAttention(name, HEAD_DIM, HEADS, HEAD_DIM**-0.5, **{"dwc": False, **options}).double()
@@ -120,9 +179,8 @@ def test_feature_map_equals_its_formula(name):
         phi_k = layer.phi_k or layer.phi_q
         with torch.no_grad():
             got_q, got_k = layer.features(q, k)
-            sided = "role" in inspect.signature(formula).parameters
-            want_q = formula(layer.phi_q, q * HEAD_DIM**-0.5 if prescale else q, *(["query"] if sided else []))
-            want_k = formula(phi_k, k, *(["key"] if sided else []))
+            want_q = query_formula(layer.phi_q, q * HEAD_DIM**-0.5 if prescale else q)
+            want_k = key_formula(phi_k, k)
         assert float(want_q.abs().max()) > 0 and float(want_k.abs().max()) > 0  # not a trivial all-zero case
         torch.testing.assert_close(got_q, want_q, rtol=0, atol=ATOL, msg=lambda m: f"{name} {options} phi(q): {m}")
         torch.testing.assert_close(got_k, want_k, rtol=0, atol=ATOL, msg=lambda m: f"{name} {options} phi(k): {m}")

@@ -8,6 +8,7 @@ import torch
 
 from luna_convert.layers.attention import DepthwiseConvBranch, LinearAttention
 from luna_convert.linear_methods import FEATURE_MAPS, build_feature_map
+from luna_convert.ops.context import AttentionContext
 from luna_convert.ops.linear import linear_attention
 from luna_convert.ops.reference import (
     EPS,
@@ -59,11 +60,11 @@ def test_linear_attention_equals_explicit_formula(name, trial):
     key_mask = random_padding(b, n, g)
     layer = make_layer(name, d, h)
     with torch.no_grad():
-        phi_q, phi_k = layer.features(q, k)
-        got = linear_attention(phi_q, phi_k, v, key_mask)
-        ref = explicit_attention(phi_q, phi_k, v, key_mask)
+        phi_q, phi_k = layer.features(q, k, AttentionContext(key_mask, n))  # what the layer's forward passes
+        got = linear_attention(phi_q, phi_k, v, key_mask, layer.eps)  # the method's guard (Performer's is smaller)
+        ref = explicit_attention(phi_q, phi_k, v, key_mask, layer.eps)
         # The module's own explicit matrix agrees too (it is the distillation student).
-        weights = linear_attention_weights(phi_q, phi_k, key_mask)
+        weights = linear_attention_weights(phi_q, phi_k, key_mask, layer.eps)
     rows = key_mask[:, None, :, None].expand_as(got)  # compare real query rows (pads are free)
     # measured 2.4e-7 and 1.7e-7 (values up to 2.6)
     torch.testing.assert_close(got[rows].double(), ref[rows], atol=1.5e-6, rtol=0)
@@ -81,7 +82,7 @@ def test_layer_forward_is_linear_attention_of_its_features(name):
     layer = make_layer(name, 8, 3)
     with torch.no_grad():
         out = layer(q, k, v)
-        ref = explicit_attention(*layer.features(q, k), v)
+        ref = explicit_attention(*layer.features(q, k), v, eps=layer.eps)
     torch.testing.assert_close(out.double(), ref, atol=1.5e-6, rtol=0)  # measured 2.8e-7
 
 
@@ -106,7 +107,12 @@ def test_features_are_non_negative(name):
     fm = build_feature_map(name, 8, 2)
     feats = fm(torch.randn(2, 2, 10, 8) * 3)
     assert feats.shape[-1] == fm.feature_dim
-    assert bool((feats >= 0).all())
+    if fm.signed_kernel:  # ELA's distance kernels: no sign to keep (the layer clamps the denominator)
+        assert bool(torch.isfinite(feats).all())
+    elif fm.signed_features:  # signed features (Taylor): the kernel itself must stay positive
+        assert bool((feats < 0).any()) and bool((feats @ feats.transpose(-1, -2) > 0).all())
+    else:
+        assert bool((feats >= 0).all())
 
 
 LUNA_VARIANTS = [
@@ -336,8 +342,13 @@ def test_distill_mode_returns_softmax_attention_and_a_loss(name):
     torch.testing.assert_close(out, ref, atol=1.5e-6, rtol=0)  # measured 2.4e-7
     loss = layer.distill_loss
     assert loss is not None and loss.ndim == 0 and bool(torch.isfinite(loss))
-    loss.backward()
-    assert any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in layer.parameters())
+    params = list(layer.parameters())
+    if params:
+        loss.backward()
+        assert any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in params)
+    else:  # a fixed map (ELU, ReLU, Performer, ...): the loss still reaches q and k
+        layer(q.requires_grad_(), k.requires_grad_(), v, key_mask=mask)
+        assert all(bool(g.abs().sum() > 0) for g in torch.autograd.grad(layer.distill_loss, (q, k)))
 
 
 def test_distillation_loss_ignores_pad_rows_and_is_minimal_at_teacher():
@@ -458,21 +469,35 @@ def test_layer_takes_the_streamed_path_only_where_policy_says(monkeypatch):
 STREAMED_MAPS = [name for name in MAPS if FEATURE_MAPS[name].token_wise]
 
 
-@pytest.mark.parametrize("name", STREAMED_MAPS + ["luna-reference"])
-@pytest.mark.parametrize("inputs_need_grad", [True, False])
+def _has_parameters(name: str) -> bool:
+    return name == "luna-reference" or any(True for _ in make_layer(name, 8, 3).parameters())
+
+
+# Without input gradients only the maps' parameters have gradients: parameter-free maps are left out there.
+STREAM_CASES = [(name, True) for name in STREAMED_MAPS + ["luna-reference"]] + \
+    [(name, False) for name in STREAMED_MAPS + ["luna-reference"] if _has_parameters(name)]
+
+
+@pytest.mark.parametrize("name, inputs_need_grad", STREAM_CASES)
 def test_streamed_path_matches_plain_values_and_gradients(name, inputs_need_grad):
     """ops.streamed.streamed_linear_attention against the plain layer: output and every gradient."""
     g = torch.Generator().manual_seed(12)
     layer = make_layer("luna", 8, 3, fast=False) if name == "luna-reference" else make_layer(name, 8, 3)
     layer.train().stream_min_bytes = 1 << 62
+    if not layer.phi_q.token_wise:  # e.g. Performer's key stabiliser over all real keys: never streamed
+        layer.stream_min_bytes = 0
+        assert layer.stream_chunk(2, 37) is None and layer.stream_chunk(2, 37, training=False) is None
+        return
+    params = list(layer.parameters())
     q, k, v = (torch.randn(2, 3, 37, 8, generator=g) for _ in range(3))
     key_mask = torch.arange(37)[None, :] < torch.tensor([[37], [20]])  # the second row ends in a padded chunk
     grad = torch.randn(2, 3, 37, 8, generator=g)
-    params = list(layer.parameters())
+    context = AttentionContext(key_mask, 37)  # as the layer's forward builds it (positions for cosFormer)
 
     def streamed(q, k, v, key_mask):
         return streamed_linear_attention(q, k, v, layer.query_features, layer.key_features, params,
-                                         key_mask, layer.eps, chunk=16)
+                                         key_mask, layer.eps, chunk=16, q_context=context,
+                                         k_context=context.for_role("key"))
 
     results = []
     for fn in (layer, streamed):
@@ -522,17 +547,21 @@ def test_float64_is_computed_in_float64(name, path):
     mask = torch.tensor([[True] * 5 + [False] * 2])
     params = list(layer.parameters())
 
+    context = AttentionContext(mask, 7)
+    if path == "streamed" and not layer.phi_q.token_wise:
+        pytest.skip(f"{name} is not token-wise: it never takes the streamed path")
+
     def forward(q, k, v, *_params):  # gradcheck perturbs the parameters in place
         if path == "plain":
             return layer(q, k, v, key_mask=mask)
         out = streamed_linear_attention(q, k, v, layer.query_features, layer.key_features,
                                         [p for m in (layer.phi_q, layer.phi_k) if m is not None for p in m.parameters()],
-                                        mask, layer.eps, chunk=3)
+                                        mask, layer.eps, chunk=3, q_context=context, k_context=context.for_role("key"))
         return out + layer.dwc(v, mask)
 
     with torch.no_grad():
         out = forward(q, k, v)
-        ref = explicit_attention(*layer.features(q, k), v, mask, layer.eps) + layer.dwc(v, mask)  # the method's own eps
+        ref = explicit_attention(*layer.features(q, k, context), v, mask, layer.eps) + layer.dwc(v, mask)  # the method's own eps
     assert out.dtype == torch.float64
     rows = mask[:, None, :, None].expand_as(out)
     torch.testing.assert_close(out[rows], ref[rows], rtol=0, atol=5e-15)  # measured 8.9e-16

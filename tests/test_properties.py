@@ -56,12 +56,20 @@ def test_matches_explicit_formula_fp32(inputs):
         exact, _ = reference(phi_q, phi_k, v, mask, eps=0.0)
     assert out.dtype == torch.float32
     assert bool(torch.isfinite(out).all())
-    # measured at most 2.8e-6 over 7 x 40 examples (values up to 16)
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
-    # Where the denominator dwarfs eps, that is the textbook formula itself.
-    big = den[..., 0] > 0.1
-    # eps / den <= 1e-5 relative by construction, plus float32 error (measured at most 8.8e-5 at |out| ~ 9)
-    torch.testing.assert_close(out.double()[big], exact[big], atol=1e-5, rtol=2e-5)
+    if layer.phi_q.signed_features:
+        # Signed features (Taylor) cancel in float32's sums, so the error scales with
+        # sum_j |phi(q_i)|.|phi(k_j)| |v_j| / den, not with |out|: measured at most 1.2e-7 of that (beyond 1e-5)
+        # over 2,000 examples of this strategy's shapes and scales (1e-3 absolute at scale 5)
+        scale = (phi_q.double().abs() @ ((phi_k.double() * mask[:, None, :, None]).abs().transpose(-1, -2)
+                                         @ v.double().abs())) / den
+        assert bool(((out.double() - ref).abs() <= 1e-5 + 1e-6 * scale).all())
+    else:
+        # measured at most 2.8e-6 over 7 x 40 examples (values up to 16)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+        # Where the denominator dwarfs eps, that is the textbook formula itself.
+        big = den[..., 0] > 0.1
+        # eps / den <= 1e-5 relative by construction, plus float32 error (measured at most 8.8e-5 at |out| ~ 9)
+        torch.testing.assert_close(out.double()[big], exact[big], atol=1e-5, rtol=2e-5)
     w = linear_attention_weights(phi_q, phi_k, mask)
     assert bool((w[~mask[:, None, None, :].expand_as(w)] == 0).all())
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from ..layers.attention import LinearAttention
 from ..errors import ConversionError
+from ..ops.context import AttentionContext
 from ..ops.reference import softmax_attention_weights
 from .grid import PatchGrid
 
@@ -89,11 +90,8 @@ class LinearizedAttention:
         """q, k, v: [B, H, N, d] -> ([B, N, H*d], attention weights [B, H, N, N] or None)"""
         b, _, n, _ = q.shape
         key_mask = key_padding_mask(mask)
-        if self.linear_attn.dwc is not None and self.linear_attn.dwc.spatial:
-            grid, prefix = self.patch_grid.layout(n)
-            out = self.linear_attn(q, k, v, key_mask, grid, prefix)
-        else:
-            out = self.linear_attn(q, k, v, key_mask)
+        grid, prefix = self.patch_grid.layout(n) if self.linear_attn.uses_patch_layout else (None, 0)
+        out = self.linear_attn(q, k, v, key_mask, grid, prefix)
         if head_mask is not None:  # v4 head pruning mask: [num_heads] or broadcastable [1|B, H, 1, 1]
             if head_mask.dim() == 1:
                 head_mask = head_mask[None, :, None, None]
@@ -105,7 +103,7 @@ class LinearizedAttention:
             la = self.linear_attn
             # The weights that produced the output: softmax while distilling, else the linear ones.
             weights = (softmax_attention_weights(q, k, la.softmax_scale, key_mask) if la.distill
-                       else la.attention_weights(q, k, key_mask))
+                       else la.attention_weights(q, k, key_mask, AttentionContext(key_mask, n, prefix, grid)))
             if head_mask is not None:
                 weights = weights * head_mask.to(weights.dtype)
         return out.transpose(1, 2).reshape(b, n, -1), weights

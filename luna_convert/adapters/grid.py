@@ -27,7 +27,8 @@ class PatchGrid:
             return
         if self._source is None:
             raise ConversionError("cannot find the patch-embedding convolution of this vision model, which tells the "
-                                  "DWC branch the patch grid of each image; convert with dwc=False")
+                                  "DWC branch (and cosformer's prefix tokens) the patch grid of each image; convert "
+                                  "with dwc=False (cosformer: prefix_neutral=False)")
         self._source.register_forward_hook(self._record)
         self._source, self._attached = None, True
 

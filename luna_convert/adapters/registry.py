@@ -142,7 +142,7 @@ def linearized_class(base: type, mixin: type) -> type:
 def linearize(module: nn.Module, adapter: Adapter, linear_attn: LinearAttention,
               patch_grid: PatchGrid | None = None) -> None:
     """Re-class ``module`` in place and attach ``linear_attn``; parameters are untouched."""
-    if linear_attn.dwc is not None and linear_attn.dwc.spatial:
+    if linear_attn.uses_patch_layout:
         patch_grid.attach()  # may refuse (no patch embedding found): before the module changes
     module.__class__ = linearized_class(type(module), adapter.mixin)
     module.linear_attn = linear_attn

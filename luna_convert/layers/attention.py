@@ -88,6 +88,7 @@ class LinearAttention(nn.Module):
             self.phi_q = self.phi_k = None
             self.kernel = spec.core(head_dim, num_heads, options)
         self.dwc = DepthwiseConvBranch(head_dim, options.dwc_kernel, spatial) if options.dwc else None
+        self.spatial = spatial
         self.distill = False
         # On the CPU, long inputs stream tokens in chunks (ops.streamed) once the float32
         # features of all tokens would exceed stream_min_bytes: glibc maps buffers over
@@ -104,7 +105,13 @@ class LinearAttention(nn.Module):
     @property
     def clamp_denominator(self) -> bool:
         """Signed features: divide by max(den, eps), as den + eps could still be 0 or negative."""
-        return self.phi_q is not None and self.phi_q.signed_features
+        return self.phi_q is not None and self.phi_q.signed_kernel
+
+    @property
+    def uses_patch_layout(self) -> bool:
+        """Image inputs must bring their patch grid and prefix count (spatial DWC, or a core reading the prefix)."""
+        core = self.kernel if self.phi_q is None else self.phi_q
+        return (self.dwc is not None and self.dwc.spatial) or (self.spatial and core.reads_prefix)
 
     def method_parameters(self) -> list[nn.Parameter]:
         """What the method added (feature maps or kernel), DWC excluded: what distillation trains."""
@@ -118,14 +125,14 @@ class LinearAttention(nn.Module):
 
     def features(self, q: torch.Tensor, k: torch.Tensor,
                  context: AttentionContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        # Keys always get the key role: a map may treat them differently (asymmetric or stabilised maps).
-        key_context = (AttentionContext(None, k.shape[2]) if context is None else context).for_role("key")
-        return self.query_features(q, context), self.key_features(k, key_context)
+        if context is None:  # still tell a shared map which side it is on (Performer's key stabiliser)
+            context = AttentionContext(None, q.shape[2])
+        return self.query_features(q, context), self.key_features(k, context.for_role("key"))
 
     def stream_chunk(self, batch: int, tokens: int, training: bool = True) -> int | None:
         """Tokens per chunk for the streamed path, or None when all features fit comfortably at once
         (or, when gradients are needed, the map prefers to keep its own saved state)."""
-        if self.phi_q is None or not self.phi_q.token_wise or self.phi_q.signed_features:
+        if self.phi_q is None or not self.phi_q.token_wise or self.phi_q.signed_kernel:
             return None
         if training and not self.phi_q.stream_when_training:
             return None

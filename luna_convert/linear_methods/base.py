@@ -91,6 +91,9 @@ class MethodCore(nn.Module):
     """Common constructor: ``Core(head_dim, num_heads, options=None, **overrides)``."""
 
     options_class: type[AttentionOptions] = AttentionOptions
+    # True: the core reads the context's num_prefix (ViT prefix tokens), so the layer asks the model
+    # for each image input's patch layout even without a spatial DWC branch (cosFormer)
+    reads_prefix: bool = False
 
     def __init__(self, head_dim: int, num_heads: int, options: AttentionOptions | None = None, **overrides):
         super().__init__()
@@ -112,7 +115,9 @@ class FeatureMap(MethodCore, abc.ABC):
       stream_when_training  long inputs go through the map in chunks of tokens
                       (``ops.streamed``) at inference always (token-wise maps), and in training
                       too unless this is False
-      signed_features features may be negative, so a row's sum phi(q)^T z may be <= 0: the layer
+      signed_features features may be negative (Taylor, ELA's distance kernels); tests then check the
+                      kernel phi(q).phi(k) instead of the features
+      signed_kernel   the kernel itself may be <= 0, so a row's sum phi(q)^T z may be too: the layer
                       divides by max(phi(q)^T z, eps) instead of adding eps (never streamed)
     """
 
@@ -121,6 +126,7 @@ class FeatureMap(MethodCore, abc.ABC):
     token_wise: bool = True
     stream_when_training: bool = True
     signed_features: bool = False
+    signed_kernel: bool = False
 
     @property
     @abc.abstractmethod

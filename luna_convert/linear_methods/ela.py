@@ -47,7 +47,8 @@ class ELAFeatureMap(FeatureMap):
 
     def __init__(self, head_dim: int, num_heads: int, options: ELAOptions | None = None, **overrides):
         super().__init__(head_dim, num_heads, options, **overrides)
-        self.signed_features = self.options.kernel != "exp"
+        # the distance kernels' features and kernel values may be negative
+        self.signed_features = self.signed_kernel = self.options.kernel != "exp"
         # exp: a learnable temperature per head, init 1 (no 1/sqrt(d): the paper's code uses raw q, k)
         self.log_temperature = nn.Parameter(torch.zeros(num_heads, 1, 1)) if self.options.kernel == "exp" else None
 

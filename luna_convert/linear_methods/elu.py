@@ -1,0 +1,41 @@
+"""ELU + 1: Katharopoulos et al. 2020, "Transformers are RNNs: Fast Autoregressive Transformers with
+Linear Attention" (ICML).
+
+phi(x) = elu(x) + 1, elementwise on the raw per-head q and k: D = d, no parameters, strictly positive
+features (so the denominator never vanishes). A fixed-kernel floor to compare the learned maps against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.context import AttentionContext
+from .base import AttentionOptions, FeatureMap, Method
+from .registry import register
+
+
+class EluFeatureMap(FeatureMap):
+    """phi(x) = elu(x) + 1, one map for q and k, no prescale."""
+
+    options_class = AttentionOptions  # no options of its own
+
+    @property
+    def feature_dim(self) -> int:
+        return self.head_dim
+
+    def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
+        return F.elu(x) + 1
+
+
+ELU = register(Method(
+    name="elu", core=EluFeatureMap, distill=False,
+    description="ELU+1: elu(x) + 1 features, no parameters, finetune only (Katharopoulos et al. 2020)",
+    paper="Katharopoulos et al. 2020, Transformers are RNNs: Fast Autoregressive Transformers with Linear "
+          "Attention (ICML)",
+    details="""Confirmed (paper): phi(x) = elu(x) + 1 on q and k, D = d, no parameters, one map for q and k;
+features are > 0, so the denominator is safe (the layer still adds eps). Recipe: swap, then finetune
+(the paper trains from scratch; there is nothing to distil). Derived: the encoder (bidirectional) form
+with pads removed by zeroing phi(k) (phi(0) = 1 is not 0); no 1/sqrt(d) prescale (the paper has none).
+Not carried: the learnable temperature elu(x / tau) + 1 the method notes mention as an option.""",
+))

@@ -1,0 +1,105 @@
+"""Taylor: the second-order Taylor feature map of exp (the "Based" map; Arora et al. 2024, "Simple
+linear attention language models balance the recall-throughput tradeoff", ICML).
+
+phi(x) = [1, x / d^(1/4), symvec(x x^T) / sqrt(d)] with the upper-triangular packing of x x^T
+(diagonal x_i^2 / sqrt(2), off-diagonal x_i x_j for i < j), so that
+phi(q).phi(k) = 1 + s + s^2 / 2 with s = q.k / sqrt(d), the softmax logit. 1 + s + s^2/2 =
+((1 + s)^2 + 1) / 2 >= 1/2, so the denominator is always safe.
+
+D = 1 + d + d(d + 1)/2 (2,145 for d = 64): for N below about D the linear form costs more than
+softmax. Option ``project_dim`` first maps each head's q and k to d' < d dimensions (as Based does,
+d' = 16: D = 153) with a learned projection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..ops.context import AttentionContext
+from ..ops.dtypes import accumulation_dtype
+from .base import AttentionOptions, FeatureMap, Method, option
+from .registry import register
+
+
+@dataclass
+class TaylorOptions(AttentionOptions):
+    project_dim: int = option(0, "derived: d', project q and k to d' dims per head first (learned, random "
+                              "orthonormal init; Based uses 16); 0 = no projection")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.project_dim, bool) or not isinstance(self.project_dim, int) or self.project_dim < 0:
+            raise ValueError(f"project_dim must be a non-negative integer, got {self.project_dim!r}")
+
+
+def upper_triangle(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of the i <= j entries of an n x n matrix, row by row."""
+    return torch.triu_indices(n, n)
+
+
+class TaylorFeatureMap(FeatureMap):
+    """[1, x / d^(1/4), x_i x_j / sqrt(d) (i < j), x_i^2 / sqrt(2 d)], one map for q and k.
+
+    d is the attention's head_dim (the softmax logit's scale) even with a projection, so that
+    with an orthonormal projection s stays the logit of the kept subspace.
+    """
+
+    options_class = TaylorOptions
+    signed_features = True  # x can be negative; the kernel 1 + s + s^2/2 is >= 1/2 all the same
+
+    def __init__(self, head_dim: int, num_heads: int, options: TaylorOptions | None = None, **overrides):
+        super().__init__(head_dim, num_heads, options, **overrides)
+        width = self.options.project_dim or head_dim
+        if self.options.project_dim:
+            if width > head_dim:
+                raise ValueError(f"project_dim must be at most head_dim ({head_dim}), got {width}")
+            # [H, d, d']: orthonormal columns (the first d' of a random orthogonal matrix per head).
+            q = torch.linalg.qr(torch.randn(num_heads, head_dim, head_dim))[0][..., :width]
+            self.projection = nn.Parameter(q.contiguous())
+        else:
+            self.projection = None
+        rows, cols = upper_triangle(width)
+        self.register_buffer("pair_rows", rows, persistent=False)
+        self.register_buffer("pair_cols", cols, persistent=False)
+        # x_i x_j appears twice in (q.k)^2 for i != j and once for i == j: weight 1 vs 1/sqrt(2)
+        self.register_buffer("pair_is_diagonal", rows == cols, persistent=False)
+        self.width = width
+
+    @property
+    def feature_dim(self) -> int:
+        return 1 + self.width + self.width * (self.width + 1) // 2
+
+    def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
+        # In fp32 (float64 stays float64): bf16 products x_i x_j lose the s^2/2 term's precision, and the
+        # attention sums upcast the features to fp32 anyway, so this costs no extra copy.
+        compute = accumulation_dtype(x)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            x = x.to(compute)
+            if self.projection is not None:
+                x = torch.matmul(x, self.projection.to(compute))
+            off_diagonal = self.head_dim**-0.5
+            scale = self.pair_is_diagonal.to(compute) * (off_diagonal * 2**-0.5 - off_diagonal) + off_diagonal
+            pairs = x[..., self.pair_rows] * x[..., self.pair_cols] * scale
+            return torch.cat([torch.ones_like(x[..., :1]), x * self.head_dim**-0.25, pairs], -1)
+
+
+TAYLOR = register(Method(
+    name="taylor", core=TaylorFeatureMap, distill=False,
+    description="Taylor (Based): [1, x, x x^T] features, phi(q).phi(k) = 1 + s + s^2/2; finetune only "
+                "(Arora et al. 2024)",
+    paper="Arora et al. 2024, Simple linear attention language models balance the recall-throughput tradeoff "
+          "(Based, ICML); the Taylor map as a baseline in Zhang et al. 2024 (Hedgehog)",
+    details="""Confirmed (Based / fla packing, method notes 5.3): phi(x) = [1, x/d^(1/4), symvec(x x^T)] with
+diagonal x_i^2/(sqrt(2) sqrt(d)) and off-diagonal x_i x_j/sqrt(d) (i < j), so phi(q).phi(k) = 1 + s + s^2/2
+with s = q.k/sqrt(d); no parameters; D = 1 + d + d(d+1)/2 = 2,145 at d = 64 (at BERT's N = 128 about 17x
+the FLOPs of softmax: it pays off only above N ~ 2k). 1 + s + s^2/2 >= 1/2, so den >= N/2. Pads: phi(0)
+= [1, 0, 0] is not 0, so phi(k) is zeroed. Pitfalls: not monotone for s < -1; the features are signed, so
+float32 sums cancel (error ~1e-7 of sum_j |phi(q)|.|phi(k_j)| |v_j| / den: ~1e-3 at logits near 70).
+Recipe: swap, then finetune; no distillation (no parameters by default).
+Derived (options, recorded in linear_attention.json): project_dim d' (a learned per-head projection to
+d' dims first, random orthonormal init rather than Based's per-head PCA, which needs data; s keeps the
+1/sqrt(d) of the full head dim); Based's sliding window and short convolutions are not carried.""",
+))
