@@ -18,6 +18,7 @@ from .errors import LunaConvertError
 from .fileio import atomic_write_json
 from .linear_methods.registry import get_method
 from .metrics import recovered_pct
+from .recipes import with_defaults
 from .model_card import MODEL_CARD_FILE, write_model_card
 from .plots import CURVES_FILE, write_curves
 from .serialization import library_versions, save
@@ -193,6 +194,7 @@ def _validate_ranges(config: dict) -> None:
          "0 or more, or null (the method's default)"),
         ("distill.default_steps", d["default_steps"], is_int(d["default_steps"]) and d["default_steps"] >= 0, "0 or more"),
         ("distill.lr", d["lr"], is_num(d["lr"]) and d["lr"] > 0, "positive"),
+        ("distill.target", d["target"], d["target"] in ("attention", "output"), "attention or output"),
         ("distill.batch_size", d["batch_size"], d["batch_size"] is None or is_int(d["batch_size"]) and d["batch_size"] >= 1,
          "a positive integer or null (train.batch_size)"),
     ]
@@ -326,7 +328,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         if (run_dir / RESULTS_FILE).is_file():
             raise LunaConvertError(f"{run_dir} already finished (it has {RESULTS_FILE}); nothing to resume: read its "
                                    f"results, `luna-convert eval {run_dir}`, or start a new run")
-        config = _read_json(run_dir / CONFIG_FILE, "run config")
+        config = with_defaults(_read_json(run_dir / CONFIG_FILE, "run config"))
     validate(config)
     method_recipe = apply_method_recipe(config) if resume is None else {}  # a resumed config has them already
     accelerator = make_accelerator(config)
@@ -435,7 +437,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         say(f"distilling attention for {n_distill} steps: each linear attention learns to match its softmax attention")
         d = config["distill"]
         stage = distill_attention(accelerator, model, accelerator.prepare_data_loader(
-            data.train_loader(d["batch_size"])), steps=n_distill, lr=d["lr"], log=log)
+            data.train_loader(d["batch_size"])), steps=n_distill, lr=d["lr"], log=log, target=d["target"])
         timings["distill_s"] = stage.seconds
         if accelerator.is_main_process:
             save(model, distilled_dir, overwrite=True,

@@ -54,6 +54,7 @@ DEFAULTS: dict = {
         "steps": None,  # None: the method's recipe (default_steps if it distils, else 0)
         "default_steps": 300,
         "lr": 1e-2,
+        "target": "attention",  # attention (row cross-entropy, N x N) | output (layer output MSE, linear in N)
         "batch_size": None,  # default: train.batch_size
     },
 }
@@ -91,6 +92,19 @@ def _merge(base: dict, update: dict, where: str = "") -> dict:
         else:
             base[key] = value
     return base
+
+
+def with_defaults(saved: dict) -> dict:
+    """A run's saved config.json with any setting it lacks (written by an older version) at its default."""
+    def fill(base: dict, update: dict) -> dict:
+        for key, value in update.items():
+            if isinstance(base.get(key), dict) and isinstance(value, dict) and key != "method_options":
+                fill(base[key], value)
+            else:
+                base[key] = value
+        return base
+
+    return fill(copy.deepcopy(DEFAULTS), saved)
 
 
 def load_recipe(name_or_path: str | None) -> dict:

@@ -234,8 +234,10 @@ def _batches(loader, accelerator, start_batch: int, epoch: int):
 
 def distill_attention(
     accelerator, model: nn.Module, loader, *, steps: int, lr: float, log: Callable[[dict], None] | None = None,
+    target: str = "attention",
 ) -> StageResult:
-    """Hedgehog stage 1: train only the feature maps so linear attention rows match softmax rows.
+    """Hedgehog stage 1: train only the feature maps so linear attention rows match softmax rows
+    (``target`` "attention"), or so each layer's output matches softmax's ("output").
 
     The model stays unwrapped (no DDP: most parameters are frozen); feature-map
     gradients are averaged across processes by hand before each update. The
@@ -251,7 +253,7 @@ def distill_attention(
         p.requires_grad_(id(p) in trainable)
     layers = linear_attention_modules(model)
     for layer in layers:
-        layer.distill = True
+        layer.distill, layer.distill_target = True, target
     optimizer = torch.optim.AdamW(params, lr=lr)
     model.train()
     step, epoch, loss_value, t0 = 0, 0, None, time.perf_counter()

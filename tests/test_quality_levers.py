@@ -156,3 +156,49 @@ def test_compare_refuses_an_unknown_method_before_running(tiny_case, tmp_path):
     with pytest.raises(LunaConvertError, match="unknown method"):
         run_compare(config_for(model_dir, data_dir, "sst2", "luna", tmp_path), ["luna", "lunar"], [0], tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
+def test_output_distillation_matches_the_softmax_output_and_trains_the_map():
+    """distill.target "output": the layer returns softmax's output, and its loss is the relative squared
+    error of its own linear output against it, over real query rows only."""
+    from luna_convert.ops.reference import softmax_attention_weights
+
+    torch.manual_seed(0)
+    layer = LinearAttention("hedgehog", 8, 2, 8**-0.5)
+    q, k, v = (torch.randn(2, 2, 6, 8) for _ in range(3))
+    mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    layer.distill, layer.distill_target = True, "output"
+    out = layer(q, k, v, mask)
+    a = softmax_attention_weights(q, k, 8**-0.5, mask)
+    teacher = a @ v
+    torch.testing.assert_close(out, teacher, rtol=0, atol=1e-6)  # SDPA vs the explicit softmax: measured 2.4e-7
+    layer.distill = False
+    student = layer(q, k, v, mask)
+    rows = mask[:, None, :].expand(2, 2, 6)
+    want = ((student - teacher) ** 2).sum(-1)[rows].sum() / (teacher**2).sum(-1)[rows].sum()
+    torch.testing.assert_close(layer.distill_loss.detach(), want.detach(), rtol=1e-5, atol=0)
+    layer.distill = True
+    layer(q, k, v, mask)
+    layer.distill_loss.backward()
+    assert layer.phi_q.weight.grad is not None and layer.phi_q.weight.grad.abs().sum() > 0
+
+
+def test_run_distils_on_the_output_when_asked(tiny_case, tmp_path):
+    model_dir, data_dir = tiny_case
+    config = config_for(model_dir, data_dir, "sst2", "hedgehog", tmp_path)
+    config["distill"]["target"] = "output"
+    results = run_conversion(config)
+    log = [json.loads(line) for line in (Path(results["run_dir"]) / "train_log.jsonl").read_text().splitlines()]
+    distil = [e["loss"] for e in log if e["stage"] == "distill"]
+    assert len(distil) == 2 and all(0 <= x < 10 for x in distil)  # a relative error, not a cross-entropy
+    assert results["config"]["distill"]["target"] == "output"
+
+
+def test_luna_recipe_sets_the_added_learning_rate_unless_given(tiny_case, tmp_path):
+    model_dir, data_dir = tiny_case
+    results = run_conversion(config_for(model_dir, data_dir, "sst2", "luna", tmp_path / "a"))
+    assert results["method_recipe"] == {"train.added_lr": 1e-3}
+    assert results["config"]["train"]["added_lr"] == 1e-3 and results["steps"]["distill"] == 2
+    given = config_for(model_dir, data_dir, "sst2", "luna", tmp_path / "b", added_lr=5e-4)
+    results = run_conversion(given)
+    assert results["method_recipe"] == {} and results["config"]["train"]["added_lr"] == 5e-4

@@ -17,7 +17,8 @@ from ..linear_methods.registry import get_method
 from ..ops.context import AttentionContext
 from ..ops.dwc import depthwise_conv_tokens
 from ..ops.linear import linear_attention
-from ..ops.reference import attention_distillation_loss, linear_attention_weights, softmax_attention_weights
+from ..ops.reference import (attention_distillation_loss, linear_attention_weights, output_distillation_loss,
+                             softmax_attention, softmax_attention_weights)
 from ..ops.streamed import streamed_linear_attention
 
 
@@ -90,6 +91,10 @@ class LinearAttention(nn.Module):
         self.dwc = DepthwiseConvBranch(head_dim, options.dwc_kernel, spatial) if options.dwc else None
         self.spatial = spatial
         self.distill = False
+        # What distillation matches: "attention" (each linear attention row against the softmax row,
+        # Hedgehog's cross-entropy; builds N x N) or "output" (the layer's output against softmax's, a
+        # relative MSE; the teacher through SDPA, so memory stays linear in N).
+        self.distill_target = "attention"
         # On the CPU, long inputs stream tokens in chunks (ops.streamed) once the float32
         # features of all tokens would exceed stream_min_bytes: glibc maps buffers over
         # 32 MiB fresh from the OS on every call, and faulting their pages in cost as much
@@ -144,11 +149,24 @@ class LinearAttention(nn.Module):
     def forward(self, q, k, v, key_mask=None, grid=None, num_prefix: int = 0) -> torch.Tensor:
         """q, k, v: [B, H, N, d]; key_mask: bool [B, N] (True = real). Returns [B, H, N, d]."""
         context = AttentionContext(key_mask, v.shape[2], num_prefix, grid)
+        if self.distill and self.distill_target == "output":
+            teacher_out = softmax_attention(q, k, v, self.softmax_scale, key_mask)
+            student_out = self.linear_output(q, k, v, key_mask, context)
+            self.distill_loss = output_distillation_loss(teacher_out.detach(), student_out, key_mask)
+            return teacher_out
         if self.distill:
             teacher = softmax_attention_weights(q, k, self.softmax_scale, key_mask)
             student = self.attention_weights(q, k, key_mask, context)
             self.distill_loss = attention_distillation_loss(teacher.detach(), student, key_mask, self.eps)
             return torch.einsum("bhnm,bhmd->bhnd", teacher, v.to(teacher.dtype)).to(v.dtype)
+        out = self.linear_output(q, k, v, key_mask, context)
+        if self.dwc is not None:
+            # In place into the branch's fresh output (nothing saves it): one [B, H, N, d] buffer fewer.
+            out = self.dwc(v, key_mask, grid, num_prefix).add_(out)
+        return out
+
+    def linear_output(self, q, k, v, key_mask, context: AttentionContext) -> torch.Tensor:
+        """The method's attention alone (no DWC branch): [B, H, N, d]."""
         if self.kernel is not None:
             out = self.kernel(q, k, v, key_mask, context)
         else:
@@ -161,9 +179,6 @@ class LinearAttention(nn.Module):
                 out = streamed_linear_attention(q, k, v, self.query_features, self.key_features, params,
                                                 key_mask, self.eps, chunk, q_context=context,
                                                 k_context=context.for_role("key"))
-        if self.dwc is not None:
-            # In place into the branch's fresh output (nothing saves it): one [B, H, N, d] buffer fewer.
-            out = self.dwc(v, key_mask, grid, num_prefix).add_(out)
         return out
 
     def attention_weights(self, q, k, key_mask=None, context: AttentionContext | None = None) -> torch.Tensor:

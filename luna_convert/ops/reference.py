@@ -7,6 +7,7 @@ Shapes as in :mod:`luna_convert.ops`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .dtypes import accumulation_dtype
 
@@ -48,3 +49,29 @@ def attention_distillation_loss(
         return ce.mean()
     rows = key_mask[:, None, :].expand_as(ce)
     return ce[rows].mean()
+
+
+def softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v over real keys through SDPA (no N x N kept where a fused kernel runs);
+    in fp32 for lower precisions, float64 for float64. [B, H, N, d]"""
+    compute = accumulation_dtype(q, k)
+    mask = None if key_mask is None else key_mask[:, None, None, :]
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        out = F.scaled_dot_product_attention(q.to(compute), k.to(compute), v.to(compute), attn_mask=mask,
+                                             scale=scale)
+    return out.to(v.dtype)
+
+
+def output_distillation_loss(teacher: torch.Tensor, student: torch.Tensor,
+                             key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Relative squared error of the attention output, sum_rows |o^_i - o_i|^2 / sum_rows |o_i|^2 over
+    heads and real query rows (LoLCATs-style output matching; comparable across layers)."""
+    compute = accumulation_dtype(teacher, student)
+    err = (student.to(compute) - teacher.to(compute)).pow(2).sum(-1)  # [B, H, N]
+    ref = teacher.to(compute).pow(2).sum(-1)
+    if key_mask is not None:
+        rows = key_mask[:, None, :].expand_as(err)
+        err, ref = err[rows], ref[rows]
+    return err.sum() / ref.sum().clamp_min(1e-12)
