@@ -21,6 +21,14 @@ console = Console(stderr=False)
 err_console = Console(stderr=True)
 
 
+def _click_exceptions() -> tuple[type, ...]:
+    try:
+        import click
+    except ImportError:
+        return ()
+    return click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort
+
+
 class DefaultRunGroup(TyperGroup):
     """``luna-convert RECIPE ...`` means ``luna-convert run RECIPE ...``; an unexpected exception in any
     command becomes one line (what failed, where, and to rerun with --debug) instead of a traceback."""
@@ -35,11 +43,9 @@ class DefaultRunGroup(TyperGroup):
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
-        import click
-
-        # usage errors and exits of typer (which vendors click since 0.2x) and of click itself
-        passthrough = (typer.Exit, typer.Abort, typer.exceptions.TyperException, click.exceptions.ClickException,
-                       click.exceptions.Exit, click.exceptions.Abort)
+        # usage errors and exits of typer (which vendors click since 0.2x) and of click itself, where
+        # installed (typer no longer depends on it)
+        passthrough = (typer.Exit, typer.Abort, typer.exceptions.TyperException, *_click_exceptions())
         try:
             return super().invoke(ctx)
         except passthrough:
