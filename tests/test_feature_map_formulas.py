@@ -136,6 +136,57 @@ def cosformer_formula(fm, x):
     return torch.cat([relu(x) * torch.sin(angle), relu(x) * torch.cos(angle)], -1)
 
 
+def flexformer_formula(fm, x, role):
+    """Per head h, frequencies W_h [m, d] (and V_h for nonstationary), all keys real here:
+    positive: m^(-1/2) exp(W x - |x|^2/(2 sqrt(d)) - c), c the per-query max over features (queries) or one max
+    over every key and feature (keys); stationary: m^(-1/2) [cos(W x), sin(W x)]; nonstationary:
+    (4m)^(-1/2) [cos(W x) + cos(V x), sin(W x) + sin(V x)]; cos/sin keys times rho = exp(|k|^2/(2 sqrt(d)) - max over
+    keys of the same)."""
+    d = x.shape[-1]
+    out = torch.zeros(*x.shape[:-1], fm.feature_dim, dtype=x.dtype)
+    for b in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            xs, w = x[b, h], fm.frequencies[h]
+            m = w.shape[0]
+            half_sq = (xs * xs).sum(-1, keepdim=True) / (2 * math.sqrt(d))
+            if fm.options.variant == "positive":
+                logits = xs @ w.T - half_sq
+                c = logits.max(-1, keepdim=True).values if role == "query" else logits.max()
+                out[b, h] = torch.exp(logits - c) / math.sqrt(m)
+                continue
+            if fm.options.variant == "stationary":
+                feats = torch.cat([torch.cos(xs @ w.T), torch.sin(xs @ w.T)], -1) / math.sqrt(m)
+            else:
+                v2 = fm.second_frequencies[h]
+                feats = torch.cat([torch.cos(xs @ w.T) + torch.cos(xs @ v2.T),
+                                   torch.sin(xs @ w.T) + torch.sin(xs @ v2.T)], -1) / math.sqrt(4 * m)
+            out[b, h] = feats if role == "query" else feats * torch.exp(half_sq - half_sq.max())
+    return out
+
+
+def llops_formula(fm, x):
+    """x~ = [1 (0 if homogeneous), x / sqrt(p tau_h sqrt(d))]; psi_l = r^(-1/2) prod_t <U[h, t, l], x~>;
+    phi = [psi_l psi_m (l == m), sqrt(2) psi_l psi_m (l < m)], pairs row by row (x layer-normed first with qk_norm)."""
+    p, d = fm.options.degree, x.shape[-1]
+    if fm.options.qk_norm:  # LayerNorm without affine, eps 1e-5 (biased variance)
+        x = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    tau = torch.exp(fm.log_temperature)[:, 0, 0]
+    out = []
+    for h in range(x.shape[1]):
+        xh = x[:, h] / torch.sqrt(p * tau[h] * math.sqrt(d))
+        lead = torch.zeros_like(xh[..., :1]) if fm.options.homogeneous else torch.ones_like(xh[..., :1])
+        xt = torch.cat([lead, xh], -1)
+        u = fm.sketch[h]  # [p/2, r, d+1]
+        r = u.shape[1]
+        psi = torch.ones(*xt.shape[:-1], r, dtype=x.dtype)
+        for t in range(u.shape[0]):
+            psi = psi * (xt @ u[t].T)
+        psi = psi / math.sqrt(r)
+        pairs = [psi[..., i] * psi[..., j] * (1 if i == j else math.sqrt(2)) for i in range(r) for j in range(i, r)]
+        out.append(torch.stack(pairs, -1))
+    return torch.stack(out, 1)
+
+
 # name -> (formula, or a (query formula, key formula) pair, whether q is scaled by head_dim**-0.5 before
 # the map, variants' options)
 FORMULAS = {
@@ -155,6 +206,11 @@ FORMULAS = {
     "hedgehog": (hedgehog_formula, False, [{}]),
     "ela": ((lambda fm, x: ela_formula(fm, x, "query"), lambda fm, x: ela_formula(fm, x, "key")), False,
             [{}, {"kernel": "l2sum"}, {"kernel": "l2sub"}]),
+    "flexformer": ((lambda fm, x: flexformer_formula(fm, x, "query"), lambda fm, x: flexformer_formula(fm, x, "key")),
+                   False, [{}, {"variant": "stationary"}, {"variant": "nonstationary"},
+                           {"variant": "positive", "num_frequencies": 5, "seed": 2}]),
+    "llops": (llops_formula, False, [{}, {"rank": 3, "degree": 2}, {"homogeneous": True, "degree": 6, "rank": 4},
+                                     {"qk_norm": True, "rank": 2}]),
 }
 
 

@@ -1,0 +1,111 @@
+"""LLoPS: Learnable Low-Rank Polynomial Sketch (OpenReview cI7LY7zghF; abstract only). The construction
+follows the method notes (sec. 1), built on PolySketchFormer (google-research polysketchformer/).
+
+Per head h, degree p (even, default 4), rank r:
+
+    x~ = [1, x / sqrt(p tau_h sqrt(d))]                   so <q~, k~> = 1 + s / (p tau_h), s = q.k / sqrt(d)
+    psi_l(x) = r^(-1/2) prod_{t=1}^{p/2} <u_{h,t,l}, x~>   (CP-structured sketch, l = 1..r)
+    phi(x) = symvec(psi psi^T): psi_l^2 on the diagonal, sqrt(2) psi_l psi_m for l < m     D = r(r+1)/2
+
+so phi(q).phi(k) = <psi(q), psi(k)>^2 >= 0, and with Gaussian u (PolySketch's random sketch, the init)
+E <psi(q), psi(k)> = <q~, k~>^(p/2): the kernel sketches (1 + s/(p tau))^p, which tends to exp(s / tau).
+Features are signed (the off-diagonal products), the kernel is not. The map is token-wise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.context import AttentionContext
+from ..ops.dtypes import accumulation_dtype
+from .base import AttentionOptions, FeatureMap, Method, check_positive_int, option
+from .registry import register
+from .taylor import upper_triangle
+
+
+@dataclass
+class LLoPSOptions(AttentionOptions):
+    rank: int = option(16, "r, sketch rank per head; D = r(r+1)/2 features (136 for r = 16)")
+    degree: int = option(4, "p, even polynomial degree of the kernel (p/2 CP factors per sketch coordinate)")
+    homogeneous: bool = option(False, "PolySketch's homogeneous <q, k>^p (no constant 1 in x~; symmetric in "
+                               "the sign of s); default the inhomogeneous, exp-matching (1 + s/(p tau))^p")
+    qk_norm: bool = option(False, "PolySketch's LayerNorm (eps 1e-5, no affine) on q and k before the sketch; "
+                           "off: it would discard the pretrained q/k geometry")
+    seed: int = option(0, "seed of the initial Gaussian sketch (drawn once at conversion, then saved)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive_int(self, "rank", "degree")
+        if self.degree % 2:
+            raise ValueError(f"degree must be even (phi packs psi psi^T), got {self.degree!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+class LLoPSFeatureMap(FeatureMap):
+    """Learnable CP sketch of a degree-p polynomial kernel, self-tensored; one map for q and k (PSD kernel)."""
+
+    options_class = LLoPSOptions
+    signed_features = True  # sqrt(2) psi_l psi_m can be negative; the kernel <psi(q), psi(k)>^2 cannot
+
+    def __init__(self, head_dim: int, num_heads: int, options: LLoPSOptions | None = None, **overrides):
+        super().__init__(head_dim, num_heads, options, **overrides)
+        r, factors = self.options.rank, self.options.degree // 2
+        generator = torch.Generator().manual_seed(self.options.seed)
+        # [H, p/2, r, d+1]: i.i.d. N(0, 1), PolySketch's random sketch (its 1/sqrt(r) is applied in forward)
+        self.sketch = nn.Parameter(torch.randn(num_heads, factors, r, head_dim + 1, generator=generator))
+        self.log_temperature = nn.Parameter(torch.zeros(num_heads, 1, 1))  # tau = 1 at init
+        rows, cols = upper_triangle(r)
+        self.register_buffer("pair_rows", rows, persistent=False)
+        self.register_buffer("pair_cols", cols, persistent=False)
+        # psi_l psi_m appears twice in <psi, psi'>^2 for l != m, once for l == m: weight sqrt(2) vs 1
+        self.register_buffer("pair_is_diagonal", rows == cols, persistent=False)
+
+    @property
+    def feature_dim(self) -> int:
+        r = self.sketch.shape[2]
+        return r * (r + 1) // 2
+
+    def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
+        # in fp32 (float64 stays float64): (1 + s/p)^p reaches ~1e3 and bf16 products would lose the kernel
+        compute = accumulation_dtype(x)
+        p = self.options.degree
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            x = x.to(compute)
+            if self.options.qk_norm:
+                x = F.layer_norm(x, x.shape[-1:], eps=1e-5)
+            scale = torch.rsqrt(p * torch.exp(self.log_temperature.to(compute)) * self.head_dim**0.5)  # [H, 1, 1]
+            constant = torch.zeros_like(x[..., :1]) if self.options.homogeneous else torch.ones_like(x[..., :1])
+            x_tilde = torch.cat([constant, x * scale], -1)  # [B, H, n, d+1]
+            # <u_{h,t,l}, x~> for every factor t: [B, H, p/2, n, r]
+            projections = torch.matmul(x_tilde.unsqueeze(2), self.sketch.to(compute).transpose(-1, -2))
+            psi = projections.prod(dim=2) * self.sketch.shape[2] ** -0.5  # [B, H, n, r]
+            weight = self.pair_is_diagonal.to(compute) * (1 - 2**0.5) + 2**0.5  # in compute's precision
+            return psi[..., self.pair_rows] * psi[..., self.pair_cols] * weight
+
+
+LLOPS = register(Method(
+    name="llops", core=LLoPSFeatureMap, distill=True,
+    description="LLoPS: learnable low-rank CP polynomial sketch of (1 + s/4)^4, self-tensored (non-negative "
+                "kernel); distil, then finetune (OpenReview cI7LY7zghF)",
+    paper="Learnable Low-Rank Polynomial Sketch (LLoPS), OpenReview forum cI7LY7zghF (abstract only, no code); "
+          "builds on Kacham et al. 2024, PolySketchFormer (ICML)",
+    details="""Confirmed (abstract): linear attention with learnable low-rank polynomial-sketch feature maps that
+approximate a polynomial kernel. Confirmed (PolySketchFormer code): degree-4 sketch q' = (q S1) * (q S2) with
+Gaussian S1, S2 and 1/sqrt(r), self-tensored phi = q' (x) q' so <phi(q), phi(k)> = <q', k'>^2 >= 0; r = 32 or 64;
+LayerNorm on q, k; rows divided by 1 + sum.
+Derived (method notes sec. 1; options, recorded in linear_attention.json): the inhomogeneous exp-matching
+target (1 + s/(p tau))^p with x~ = [1, x/sqrt(p tau sqrt(d))], tau a learnable per-head temperature (init 1)
+(homogeneous: PolySketch's <q, k>^p); the CP sketch psi_l = r^-1/2 prod_t <u_{l,t}, x~>, per head, trainable,
+initialised at PolySketch's Gaussian sketch from the recorded seed (so distillation starts at its loss);
+symmetric packing symvec(psi psi^T) (diagonal psi_l^2, off-diagonal sqrt(2) psi_l psi_m): the same kernel in
+r(r+1)/2 features instead of r^2; rank 16 (D = 136, about Hedgehog's 128); degree 4; qk_norm off (the
+LayerNorm would discard the pretrained q/k geometry); rows divided by den + eps (PolySketch's 1 + den damps
+short inputs; not offered). Not offered: the learned-MLP sketch of sketch_layer.py. Pitfall: an even degree is
+symmetric about s = -p tau, so logits below it get weight again. Recipe: Hedgehog attention distillation of the
+sketch and tau, then finetune.""",
+))
