@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from luna_convert.bench import _layer_modules
+from luna_convert.tools.bench import _layer_modules
 
 torch.set_num_threads(1)
 METHODS = ("t2r", "hedgehog", "luna-nodwc")

@@ -17,6 +17,10 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+# light modules (no torch): imported here; the rest inside each command
+from .errors import LunaConvertError
+from .folder_layout import CURVES_FILE, MODEL_CARD_FILE, MODEL_DIR, RESULTS_FILE, TABLE_FILE
+
 console = Console(stderr=False)
 err_console = Console(stderr=True)
 
@@ -103,7 +107,7 @@ def _main(debug: bool = typer.Option(False, "--debug", help="Show full traceback
 
 
 def _overrides(cli: dict, sets: List[str]) -> dict:
-    from .recipes import parse_override
+    from .run.recipes import parse_override
 
     out = {k: v for k, v in cli.items() if v is not None}
     out.update(dict(parse_override(item) for item in sets))
@@ -147,7 +151,7 @@ def run(
                                            "unless --overwrite."),
 ) -> None:
     """Convert a model and train it back; writes outputs/<recipe>-<method>-<time>/."""
-    from .recipes import apply_overrides, load_recipe
+    from .run.recipes import apply_overrides, load_recipe
 
     if resume is not None:
         given = {"recipe": recipe, "--method": method, "--model": model, "--task": task, "--data-dir": data_dir,
@@ -175,7 +179,7 @@ def run(
             if run_dir is not None:
                 config["run_dir"] = str(run_dir)
             if recipe is None:  # own model + own data: unset training settings are chosen from their sizes
-                from .autoconfig import mark_auto
+                from .run.autoconfig import mark_auto
 
                 mark_auto(config, overrides)
             return config
@@ -189,17 +193,14 @@ def run(
 
 
 def _resume_alone(given: list) -> None:
-    from .errors import LunaConvertError
-
     raise LunaConvertError(f"--resume continues a run with the settings saved in its config.json; drop "
                            f"{', '.join(given)} (or start a new run with them)")
 
 
 def _dry_run(config: dict) -> None:
-    from .autoconfig import needs_resolution, resolve_own_data
-    from .errors import LunaConvertError
-    from .models import load_model
-    from .pipeline import validate
+    from .run.autoconfig import needs_resolution, resolve_own_data
+    from .run.models import load_model
+    from .run.pipeline import validate
 
     validate(config)
     if not needs_resolution(config):
@@ -209,7 +210,7 @@ def _dry_run(config: dict) -> None:
 
 
 def _run_pipeline(config, resume=None):
-    from .pipeline import run_conversion
+    from .run.pipeline import run_conversion
 
     if config is not None:
         console.print(f"[bold]luna-convert[/] {config['name'] or ''} method={config['method']} model={config['model']} "
@@ -257,7 +258,7 @@ def eval_(
     """Evaluate a saved model and print its metrics."""
     import json
 
-    from .pipeline import evaluate_model
+    from .run.pipeline import evaluate_model
 
     result = _guard(lambda: evaluate_model(path, task, data_dir, split, batch_size, max_examples=max_examples))
     if not _is_main():
@@ -278,7 +279,7 @@ def eval_(
 @app.command()
 def recipes() -> None:
     """List the named recipes."""
-    from .recipes import available_recipes
+    from .run.recipes import available_recipes
 
     for name, description in available_recipes().items():
         console.print(f"[bold]{name:<20}[/] {escape(description)}")
@@ -316,8 +317,8 @@ def report(
                                         "bar charts, each run's curves and the bench plot of any bench folder given."),
 ) -> None:
     """Gather runs into a methods x tasks table of % recovered."""
-    from .report import build_report, render_table
-    from .report_html import check_html_path, write_html_report
+    from .tools.report import build_report, render_table
+    from .tools.report_html import check_html_path, write_html_report
 
     if html is not None:
         _guard(lambda: check_html_path(html))
@@ -351,8 +352,8 @@ def compare(
 ) -> None:
     """Several methods on one case with the same budget: teacher, right after conversion, after
     distillation, final, % recovered, s/step; writes compare.json, compare.md and compare.png."""
-    from .compare import TABLE_FILE, run_compare
-    from .recipes import apply_overrides, load_recipe
+    from .run.compare import run_compare
+    from .run.recipes import apply_overrides, load_recipe
 
     method_list = [m.strip() for m in methods.split(",") if m.strip()]
     seed_list = _int_list(seeds, "--seeds")
@@ -363,7 +364,7 @@ def compare(
     def build():
         config = apply_overrides(load_recipe(recipe), _overrides(cli, set_))
         if recipe is None:
-            from .autoconfig import mark_auto
+            from .run.autoconfig import mark_auto
 
             mark_auto(config, _overrides(cli, set_))
         return config
@@ -372,7 +373,7 @@ def compare(
     case = config["name"] or Path(str(config["model"])).name
     target = folder or Path(config["output_dir"]) / f"compare-{case}"
     summary = _guard(lambda: run_compare(config, method_list, seed_list, target, control=control, console=console))
-    from .compare import markdown_table
+    from .run.compare import markdown_table
 
     console.print(markdown_table(summary), soft_wrap=True, highlight=False)
     console.print(f"wrote {target / TABLE_FILE}, compare.json and compare.png", soft_wrap=True, highlight=False)
@@ -388,10 +389,7 @@ def demo(
 ) -> None:
     """Offline quickstart: the digits-vit recipe (the small ViT shipped with the package, on scikit-learn
     digits), converted and trained back in under a minute on a CPU."""
-    from .model_card import MODEL_CARD_FILE
-    from .pipeline import MODEL_DIR, RESULTS_FILE
-    from .plots import CURVES_FILE
-    from .recipes import apply_overrides, load_recipe
+    from .run.recipes import apply_overrides, load_recipe
 
     def build():
         return apply_overrides(load_recipe("digits-vit"), _overrides({"method": method, "output_dir": output_dir}, set_))
@@ -432,7 +430,7 @@ def bench(
     """Time and memory of softmax vs every method as sequence length grows."""
     from datetime import datetime
 
-    from .bench import run_benchmark
+    from .tools.bench import run_benchmark
 
     out = output_dir or Path("outputs") / f"bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     kwargs = {"models": not no_models, "quick": quick, "device": device, "repeats": repeats, "threads": threads,
@@ -467,7 +465,7 @@ def attention_map(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing PNG."),
 ) -> None:
     """CLS attention of softmax vs linear attention for one input (the LUNA paper's Figure 4), as a PNG."""
-    from .attention_map import attention_map_command
+    from .tools.attention_map import attention_map_command
 
     out, amap = _guard(lambda: attention_map_command(path, text=text, image=image, layer=layer, output=output,
                                                      original=original, overwrite=overwrite))
@@ -477,7 +475,6 @@ def attention_map(
 
 def _guard(fn):
     """Run ``fn``; a user error becomes one line on stderr and exit code 2."""
-    from .errors import LunaConvertError
 
     try:
         return fn()

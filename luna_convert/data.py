@@ -94,13 +94,13 @@ def normalize_label_name(name: Any) -> str:
 # small helpers
 
 
-def _canonical_split(split: str) -> str:
+def canonical_split(split: str) -> str:
     s = str(split).strip().lower()
     return _SPLIT_ALIASES.get(s, s)
 
 
 def _split_stems(task: TaskSpec, split: str) -> tuple[str, ...]:
-    split = _canonical_split(split)
+    split = canonical_split(split)
     if task.glue_dir == "MNLI":
         if split == "validation":
             split = "validation_mismatched" if task.name == "mnli_mismatched" else "validation_matched"
@@ -112,7 +112,7 @@ def _split_stems(task: TaskSpec, split: str) -> tuple[str, ...]:
 
 
 def _is_test_split(split: str) -> bool:
-    return _canonical_split(split).startswith("test")
+    return canonical_split(split).startswith("test")
 
 
 def _try_int(value: Any) -> int | None:
@@ -321,7 +321,7 @@ def _read_glue_tsv(task: TaskSpec, path: Path, split: str):
 # CSV / JSON lines / parquet / generic TSV
 
 
-def _read_table(path: Path) -> dict[str, list]:
+def read_table(path: Path) -> dict[str, list]:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -390,7 +390,7 @@ def _pick_column(cols: dict[str, list], name: str, aliases: Sequence[str], used:
 
 
 def _read_table_split(task: TaskSpec, path: Path, split: str):
-    return _columns_to_dataset(task, _read_table(path), path, split)
+    return _columns_to_dataset(task, read_table(path), path, split)
 
 
 def _columns_to_dataset(task: TaskSpec, cols: dict[str, list], path, split: str):
@@ -438,7 +438,7 @@ def _resolve_text_dir(task: TaskSpec, data_dir: Path) -> Path:
     return data_dir
 
 
-def _find_split_file(task: TaskSpec, data_dir: Path, split: str) -> Path:
+def find_split_file(task: TaskSpec, data_dir: Path, split: str) -> Path:
     stems = _split_stems(task, split)
     for stem in stems:
         for ext in TABLE_EXTENSIONS:
@@ -458,7 +458,7 @@ def _load_hub_split(task: TaskSpec, split: str):
             f"task {task.name!r} has no built-in dataset; pass --data-dir with {split}.csv / .jsonl / .parquet files "
             f"holding columns {list(task.text_columns) + [task.label_column]}"
         )
-    hub_split = _canonical_split(split)
+    hub_split = canonical_split(split)
     if task.glue_config == "mnli" and hub_split in ("validation", "test"):
         suffix = "mismatched" if task.name == "mnli_mismatched" else "matched"
         hub_split = f"{hub_split}_{suffix}"
@@ -489,7 +489,7 @@ def _load_text_split(task: TaskSpec, split: str, data_dir: Path | None):
     if data_dir is None:
         return _load_hub_split(task, split)
     data_dir = _resolve_text_dir(task, data_dir)
-    path = _find_split_file(task, data_dir, split)
+    path = find_split_file(task, data_dir, split)
     if path.suffix.lower() == ".tsv" and task.glue_config is not None:
         return _read_glue_tsv(task, path, split)
     return _read_table_split(task, path, split)
@@ -584,7 +584,7 @@ def _load_digits_split(split: str) -> DigitsDataset:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    s = _canonical_split(split)
+    s = canonical_split(split)
     if s not in ("train", "validation"):
         raise unknown_name("split", split, ["train", "validation"])
     d = load_digits()
@@ -597,7 +597,7 @@ def _load_digits_split(split: str) -> DigitsDataset:
 
 
 def _image_split_dir(data_dir: Path, split: str) -> Path:
-    s = _canonical_split(split)
+    s = canonical_split(split)
     names = _IMAGE_SPLIT_DIRS.get(s, (split,))
     for name in names:
         if (data_dir / name).is_dir():
@@ -662,7 +662,7 @@ def _load_image_split(task: TaskSpec, split: str, data_dir: Path | None, max_exa
     if task.name == "digits":
         ds = _load_digits_split(split)
         if max_examples is not None:
-            train = _canonical_split(split) == "train"
+            train = canonical_split(split) == "train"
             idx = _subset_indices(len(ds), max_examples, shuffle=train, seed=seed)
             if idx is not None:
                 ds = ds.subset(idx)
@@ -675,7 +675,7 @@ def _load_image_split(task: TaskSpec, split: str, data_dir: Path | None, max_exa
     if max_examples is not None and max_examples < len(ds):
         if max_examples < 1:
             raise LunaConvertError(f"max_examples must be at least 1, got {max_examples}")
-        if _canonical_split(split) == "train":
+        if canonical_split(split) == "train":
             idx = _subset_indices(len(ds), max_examples, shuffle=True, seed=seed)
         else:  # ImageFolder order is sorted by class: take a class-balanced prefix instead
             idx = sorted(_interleave_by_class([y for _, y in ds.samples])[:max_examples])
@@ -717,7 +717,7 @@ def load_split(task: TaskSpec | str, split: str, data_dir: str | Path | None = N
     ds = _load_text_split(task, split, data_dir)
     if len(ds) == 0:
         raise LunaConvertError(f"split {split!r} of task {task.name!r} has no examples")
-    train = _canonical_split(split) == "train"
+    train = canonical_split(split) == "train"
     idx = _subset_indices(len(ds), max_examples, shuffle=train, seed=seed)
     if idx is not None:
         ds = ds.select(idx)
@@ -728,7 +728,7 @@ def load_split(task: TaskSpec | str, split: str, data_dir: str | Path | None = N
 # public: align_labels
 
 
-def _model_names(id2label: dict | None, num_labels: int) -> list[str] | None:
+def model_label_names(id2label: dict | None, num_labels: int) -> list[str] | None:
     """Model class names in index order, or None when they are generic (LABEL_0.., "0"..)."""
     if not id2label:
         return None
@@ -751,7 +751,7 @@ def _model_names(id2label: dict | None, num_labels: int) -> list[str] | None:
 
 def _align_image_labels(dataset, task: TaskSpec, id2label, num_labels: int):
     classes = list(getattr(dataset, "classes", []) or [])
-    names = _model_names(id2label, num_labels)
+    names = model_label_names(id2label, num_labels)
     if names is not None and classes:
         index = {normalize_label_name(n): i for i, n in enumerate(names)}
         if all(normalize_label_name(c) in index for c in classes):
@@ -785,7 +785,7 @@ def align_labels(dataset, task: TaskSpec | str, id2label: dict[int, str] | None,
         raise LunaConvertError(f"the data for task {task.name!r} has no 'label' column")
 
     labels = list(dataset["label"])
-    model_names = _model_names(id2label, num_labels)
+    model_names = model_label_names(id2label, num_labels)
     model_index = {normalize_label_name(n): i for i, n in enumerate(model_names or [])}
     task_names = [normalize_label_name(n) for n in (task.label_names or ())]
     shown = f"model classes {model_names}" if model_names else f"{num_labels} model classes"
@@ -1105,7 +1105,7 @@ def datasets_split_name(dd, split: str, where: str) -> str:
     """The key of ``split`` in a DatasetDict (``validation`` also finds dev/val/valid)."""
     if split in dd:
         return split
-    canon = _canonical_split(split)
+    canon = canonical_split(split)
     for cand in (canon, *_SPLIT_STEMS.get(canon, ())):
         if cand in dd:
             return cand
@@ -1196,7 +1196,7 @@ def _load_datasets_split(task: TaskSpec, split: str, data_dir, max_examples: int
     where = f"{data_dir} split {name!r}"
     if len(ds) == 0:
         raise LunaConvertError(f"{where} has no examples")
-    idx = _subset_indices(len(ds), max_examples, shuffle=_canonical_split(split) == "train", seed=seed)
+    idx = _subset_indices(len(ds), max_examples, shuffle=canonical_split(split) == "train", seed=seed)
     if task.kind == "image":
         image_column = datasets_image_column(ds)
         label_column = _pick_column({c: None for c in ds.column_names}, task.label_column,

@@ -21,11 +21,10 @@ from torch import nn
 from .conversion import CONFIG_ATTR, convert
 from .errors import LunaConvertError
 from .fileio import atomic_directory, atomic_write_json
+from .folder_layout import CONVERSION_FILE, HF_CONFIG_FILE, MODEL_DIR, WEIGHTS_FILE
 from .linear_methods.registry import get_method
-from .models import TIMM_ARGS_ATTR, timm_create_args
+from .model_building import TIMM_ARGS_ATTR, create_timm_model, timm_create_args
 
-CONVERSION_FILE = "linear_attention.json"
-WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
 
 
@@ -87,7 +86,7 @@ def save(model: nn.Module, directory: str | Path, tokenizer=None, processor=None
 
 def _is_transformers_checkpoint(directory: Path) -> bool:
     try:
-        return "model_type" in json.loads((directory / "config.json").read_text())
+        return "model_type" in json.loads((directory / HF_CONFIG_FILE).read_text())
     except (OSError, ValueError, TypeError):
         return False
 
@@ -112,8 +111,6 @@ def read_metadata(directory: str | Path) -> dict:
 def build_model(spec: dict, directory: Path) -> nn.Module:
     """An untrained model of the recorded architecture."""
     if spec["library"] == "timm":
-        from .models import create_timm_model
-
         args = {k: v for k, v in spec.items() if k != "library"}
         return create_timm_model(**args)
     import transformers
@@ -130,8 +127,8 @@ def load(directory: str | Path) -> nn.Module:
     """Rebuild a model written by :func:`save` (or a run folder's model): architecture, conversion,
     then weights (strict)."""
     directory = Path(directory)
-    if not (directory / CONVERSION_FILE).is_file() and (directory / "model" / CONVERSION_FILE).is_file():
-        directory = directory / "model"  # a run folder: its converted model
+    if not (directory / CONVERSION_FILE).is_file() and (directory / MODEL_DIR / CONVERSION_FILE).is_file():
+        directory = directory / MODEL_DIR  # a run folder: its converted model
     meta = read_metadata(directory)
     model = build_model(meta["model"], directory)
     dtype = getattr(torch, meta.get("dtype") or "", None)

@@ -3,9 +3,9 @@
     python scripts/train_digits_teacher.py            # retrain into luna_convert/builtin_teachers/digits-vit/
     python scripts/train_digits_teacher.py --output DIR  # elsewhere, e.g. to check that a rerun is identical
 
-Trains the teacher of luna_convert.teachers.BUILTIN["digits-vit"] (seed 0, 920 steps, about 75 s on an
+Trains the teacher of luna_convert.run.teachers.BUILTIN["digits-vit"] (seed 0, 920 steps, about 75 s on an
 idle 2-core CPU) with the same finetune loop as conversions, saves it in luna_convert.save format and
-prints each file's SHA-256 next to the one recorded in luna_convert/teachers.py SHIPPED_SHA256.
+prints each file's SHA-256 next to the one recorded in luna_convert/run/teachers.py SHIPPED_SHA256.
 One CPU thread and deterministic kernels: the same library versions give the same bytes.
 """
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's package, also when another one 
 def main() -> int:
     import torch
 
-    from luna_convert.teachers import SHIPPED_DIR, SHIPPED_SHA256, file_sha256, train_builtin
+    from luna_convert.run.teachers import SHIPPED_DIR, SHIPPED_SHA256, file_sha256, train_builtin
 
     name = "digits-vit"
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -42,7 +42,7 @@ def main() -> int:
         same &= digest == recorded[file]
         print(f'    "{file}": "{digest}",  # {"as recorded" if digest == recorded[file] else "differs from the record"}')
     if not same:
-        print("the checksums differ from SHIPPED_SHA256 in luna_convert/teachers.py: if this checkpoint is the one to "
+        print("the checksums differ from SHIPPED_SHA256 in luna_convert/run/teachers.py: if this checkpoint is the one to "
               "ship, record the lines above there")
     return 0
 

@@ -95,7 +95,7 @@ def make_hf_vit(attn_implementation: str | None = None):
 
 
 def make_timm_vit(**extra):
-    from luna_convert.models import create_timm_model
+    from luna_convert.model_building import create_timm_model
 
     seed_everything()
     model = create_timm_model(

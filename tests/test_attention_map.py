@@ -16,10 +16,10 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from luna_convert.attention_map import attention_map_command, compute_attention_map, open_image
+from luna_convert.tools.attention_map import attention_map_command, compute_attention_map, open_image
 from luna_convert.cli import app
 from luna_convert.conversion import convert
-from luna_convert.models import load_model
+from luna_convert.run.models import load_model
 from luna_convert.serialization import save
 
 from conftest import make_timm_vit
@@ -125,7 +125,7 @@ def test_teacher_softmax_row_is_the_original_models_attention(text_run, tmp_path
 
 
 def test_image_rows_match_the_formulas_and_png(image_model, tmp_path):
-    from luna_convert.attention_map import _image_inputs
+    from luna_convert.tools.attention_map import _image_inputs
 
     out, amap = attention_map_command(image_model, image="digits:7", layer=-1, output=tmp_path / "image.png")
     assert_png(out)

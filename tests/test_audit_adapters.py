@@ -69,7 +69,7 @@ def test_timm_dynamic_size_vit_dwc_gets_the_grid_of_the_input(size, grid, reg_to
 
 def test_timm_non_square_configured_vit_dwc_gets_its_grid():
     """A model built for 32x48 images: 4x6 patches (the square guess took 4x4 + 9 prefix tokens)."""
-    from luna_convert.models import create_timm_model
+    from luna_convert.model_building import create_timm_model
 
     model = create_timm_model("vit_tiny_patch16_224", img_size=(IMAGE, 48), patch_size=8, embed_dim=HIDDEN,
                               depth=LAYERS, num_heads=HEADS, num_classes=3).eval()

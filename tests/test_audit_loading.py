@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 import luna_convert
 from luna_convert.cli import app
 from luna_convert.errors import LunaConvertError
-from luna_convert.models import load_model
-from luna_convert.pipeline import evaluate_model, run_conversion
+from luna_convert.run.models import load_model
+from luna_convert.run.pipeline import evaluate_model, run_conversion
 
 from conftest import IMAGE, NUM_LABELS, make_hf_vit
 from test_pipeline import config_for, write_image_folder
@@ -82,7 +82,7 @@ def test_cli_runs_a_vit_saved_with_its_processor(tmp_path):
 
 
 def test_unexpected_exception_is_one_line_naming_the_model_and_debug_shows_it(tmp_path, monkeypatch):
-    import luna_convert.pipeline as pipeline
+    import luna_convert.run.pipeline as pipeline
 
     def broken(config, resume=None, console=None):
         raise TypeError("int() argument must be a string, a bytes-like object or a real number, not 'SizeDict'")
@@ -127,7 +127,7 @@ def test_transformers_vit_runs_every_method_through_the_pipeline(hf_vit_setup, t
 
 def test_preflight_check_leaves_the_model_untouched():
     from luna_convert.conversion import is_converted
-    from luna_convert.pipeline import _check_convertible
+    from luna_convert.run.pipeline import _check_convertible
 
     model = make_hf_vit()
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -258,7 +258,7 @@ def test_existing_run_folder_is_kept_unless_overwrite(world, tmp_path):
 def test_two_runs_started_in_the_same_second_get_two_folders(tmp_path, monkeypatch):
     from datetime import datetime
 
-    import luna_convert.pipeline as pipeline
+    import luna_convert.run.pipeline as pipeline
 
     class FrozenClock:
         @staticmethod

@@ -8,7 +8,7 @@ import math
 
 from rich.console import Console
 
-from luna_convert.bench import run_benchmark
+from luna_convert.tools.bench import run_benchmark
 
 
 def _positive(x) -> bool:

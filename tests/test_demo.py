@@ -8,7 +8,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from luna_convert import teachers
+from luna_convert.run import teachers
 from luna_convert.cli import app
 from luna_convert.errors import LunaConvertError
 
@@ -20,7 +20,7 @@ def test_shipped_teacher_matches_its_checksums_and_loads():
     import torch
 
     import luna_convert
-    from luna_convert.pipeline import evaluate_model
+    from luna_convert.run.pipeline import evaluate_model
 
     assert teachers.builtin_dir(NAME, "anywhere") == SHIPPED  # not a per-output-dir cache
     for file in teachers.SHIPPED_SHA256[NAME]:
@@ -89,7 +89,7 @@ def test_demo_converts_the_shipped_teacher_without_training_it(tmp_path, monkeyp
                   "finetuning on the task for 2 steps", "scoring the converted model", f"results in {run_dir}"]:
         assert words in text, words
     # The original model of a demo run is the shipped teacher, also for `attention-map --original teacher`.
-    from luna_convert.attention_map import attention_map_command
+    from luna_convert.tools.attention_map import attention_map_command
 
     _, amap = attention_map_command(run_dir, image="digits:1", original="teacher", output=tmp_path / "map.png")
     assert amap.original == str(SHIPPED)

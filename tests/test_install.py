@@ -52,7 +52,7 @@ def test_installed_wheel_finds_recipes_and_teacher_from_another_folder(wheel, tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The installed copy first on the path (dependencies from this environment), run away from the checkout.
     env = {**os.environ, "PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1"}
-    code = ("import luna_convert, luna_convert.recipes as r, luna_convert.teachers as t; print(luna_convert.__file__); "
+    code = ("import luna_convert, luna_convert.run.recipes as r, luna_convert.run.teachers as t; print(luna_convert.__file__); "
             "print(*sorted(r.available_recipes())); print(t.shipped_teacher('digits-vit'))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
                           timeout=300)

@@ -1,5 +1,5 @@
 """Your own checkpoint on your own data (no recipe): task, columns, splits, labels and defaults
-inferred by luna_convert.autoconfig; tiny models and data written here, nothing downloaded."""
+inferred by luna_convert.run.autoconfig; tiny models and data written here, nothing downloaded."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from luna_convert.autoconfig import (
+from luna_convert.run.autoconfig import (
     choose_hyperparameters, choose_max_length, detect_columns, infer_task, mark_auto, resolve_own_data, task_for,
 )
 from luna_convert.errors import LunaConvertError
-from luna_convert.models import load_model
-from luna_convert.recipes import apply_overrides, load_recipe
+from luna_convert.run.models import load_model
+from luna_convert.run.recipes import apply_overrides, load_recipe
 from test_pipeline import write_timm_checkpoint
 
 POS, NEG, FILL = ["good", "great", "fine"], ["awful", "bad", "poor"], "movie film plot actor the a is was very not".split()
@@ -301,7 +301,7 @@ def test_cli_dry_run_prints_what_it_resolved(bert, csv_data, tmp_path):
 
 # ------------------------------------------------------------------ end to end
 def test_regression_end_to_end(tmp_path):
-    from luna_convert.pipeline import evaluate_model, run_conversion
+    from luna_convert.run.pipeline import evaluate_model, run_conversion
 
     model = tiny_bert(tmp_path / "reg", num_labels=1)
     data = tmp_path / "data"

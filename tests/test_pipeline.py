@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import luna_convert
-from luna_convert.pipeline import evaluate_model, run_conversion
-from luna_convert.recipes import apply_overrides, load_recipe
+from luna_convert.run.pipeline import evaluate_model, run_conversion
+from luna_convert.run.recipes import apply_overrides, load_recipe
 
 WORDS = "good great fine awful bad poor movie film plot actor the a is was very not".split()
 RESULT_FIELDS = {"teacher_score", "converted_score", "recovered_pct", "teacher_metrics", "converted_metrics",
@@ -210,7 +210,7 @@ def test_two_process_cpu_run_counts_every_example_once(text_setup, tmp_path):
 def test_every_shipped_recipe_loads_and_names_a_known_method_and_task():
     """Hub recipes cannot run offline; at least their contents are checked here."""
     from luna_convert.linear_methods import METHODS
-    from luna_convert.recipes import available_recipes
+    from luna_convert.run.recipes import available_recipes
     from luna_convert.tasks import get_task
 
     recipes = available_recipes()

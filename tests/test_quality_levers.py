@@ -12,8 +12,8 @@ import torch
 
 from luna_convert.layers.attention import LinearAttention
 from luna_convert.linear_methods.luna import EXP_INIT_SPAN, LunaFeatureMap, ScalarChannels, exp_rates
-from luna_convert.pipeline import run_conversion
-from luna_convert.training import parameter_groups
+from luna_convert.run.pipeline import run_conversion
+from luna_convert.engine.training import parameter_groups
 from test_pipeline import config_for, write_bert_checkpoint, write_sst2
 
 
@@ -119,7 +119,7 @@ def test_run_scores_each_stage_and_the_control_is_unconverted(tiny_case, tmp_pat
 
 
 def test_compare_runs_every_method_and_reads_finished_runs_back(tiny_case, tmp_path):
-    from luna_convert.compare import COMPARE_FILE, PLOT_FILE, TABLE_FILE, run_compare
+    from luna_convert.run.compare import COMPARE_FILE, PLOT_FILE, TABLE_FILE, run_compare
 
     model_dir, data_dir = tiny_case
     config = config_for(model_dir, data_dir, "sst2", "luna", tmp_path / "out")
@@ -149,7 +149,7 @@ def test_compare_runs_every_method_and_reads_finished_runs_back(tiny_case, tmp_p
 
 
 def test_compare_refuses_an_unknown_method_before_running(tiny_case, tmp_path):
-    from luna_convert.compare import run_compare
+    from luna_convert.run.compare import run_compare
     from luna_convert.errors import LunaConvertError
 
     model_dir, data_dir = tiny_case

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from luna_convert.report import build_report
+from luna_convert.tools.report import build_report
 
 
 def write_run(folder, **fields):
@@ -87,7 +87,7 @@ def test_report_refuses_an_unreadable_results_file(tmp_path):
 def test_a_run_records_when_it_finished(tmp_path):
     from datetime import datetime
 
-    from luna_convert.pipeline import run_conversion
+    from luna_convert.run.pipeline import run_conversion
     from test_pipeline import config_for, write_bert_checkpoint, write_sst2
 
     config = config_for(write_bert_checkpoint(tmp_path / "bert"), write_sst2(tmp_path / "SST-2"), "sst2", "t2r",

@@ -18,10 +18,10 @@ import pytest
 from typer.testing import CliRunner
 
 from luna_convert.metrics import recovered_pct
-from luna_convert.model_card import MODEL_CARD_FILE, reproduce_command, write_model_card
-from luna_convert.plots import CURVES_FILE, loss_series, write_curves
-from luna_convert.recipes import DEFAULTS, apply_overrides, load_recipe
-from luna_convert.report_html import write_html_report
+from luna_convert.run.model_card import MODEL_CARD_FILE, reproduce_command, write_model_card
+from luna_convert.run.plots import CURVES_FILE, loss_series, write_curves
+from luna_convert.run.recipes import DEFAULTS, apply_overrides, load_recipe
+from luna_convert.tools.report_html import write_html_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -162,12 +162,12 @@ def test_model_card_names_a_base_model_only_for_hub_models(tmp_path, model, base
 ])
 def test_the_card_s_command_rebuilds_the_run_s_config(monkeypatch, recipe, overrides):
     """Parsed by the real command line, the card's command gives the same settings the run had."""
-    import luna_convert.pipeline
+    import luna_convert.run.pipeline
     from luna_convert.cli import app
 
     config = apply_overrides(load_recipe(recipe), overrides)
     captured = {}
-    monkeypatch.setattr(luna_convert.pipeline, "run_conversion",
+    monkeypatch.setattr(luna_convert.run.pipeline, "run_conversion",
                         lambda config, resume=None, console=None: captured.setdefault("config", config) and None)
     command = reproduce_command(config)
     words = shlex.split(command)
@@ -210,7 +210,7 @@ def test_a_pipeline_run_writes_its_card_and_curves_and_overwrite_replaces_them(t
     from huggingface_hub import ModelCard
     from test_pipeline import config_for, write_bert_checkpoint, write_sst2
 
-    from luna_convert.pipeline import run_conversion
+    from luna_convert.run.pipeline import run_conversion
 
     model_dir, data_dir = write_bert_checkpoint(tmp_path / "bert"), write_sst2(tmp_path / "SST-2")
     config = {**config_for(model_dir, data_dir, "sst2", "hedgehog", tmp_path / "out"), "run_dir": str(tmp_path / "r")}
@@ -301,7 +301,7 @@ def test_html_report_renders_in_headless_chromium(runs, tmp_path):
 
 # ----------------------------------------------------------------- progress
 def test_progress_prints_plain_lines_where_output_is_not_a_terminal():
-    from luna_convert.training import progress_bar
+    from luna_convert.engine.training import progress_bar
 
     stream = io.StringIO()  # not a tty
     now = [0.0]
@@ -319,7 +319,7 @@ def test_progress_prints_plain_lines_where_output_is_not_a_terminal():
 
 
 def test_progress_of_a_resumed_stage_counts_speed_from_the_resume_point():
-    from luna_convert.training import progress_bar
+    from luna_convert.engine.training import progress_bar
 
     stream, now = io.StringIO(), [100.0]
     bar, task = progress_bar(types.SimpleNamespace(is_main_process=True), "finetune", 100, file=stream, every=0)
@@ -336,7 +336,7 @@ def test_evaluation_through_the_one_progress_helper_prints_to_a_non_terminal(cap
     import torch
     from accelerate import Accelerator
 
-    from luna_convert.training import predict
+    from luna_convert.engine.training import predict
 
     class Tiny(torch.nn.Module):
         def forward(self, input_ids):
@@ -349,7 +349,7 @@ def test_evaluation_through_the_one_progress_helper_prints_to_a_non_terminal(cap
 
 
 def test_other_processes_print_nothing():
-    from luna_convert.training import progress_bar
+    from luna_convert.engine.training import progress_bar
 
     stream = io.StringIO()
     bar, task = progress_bar(types.SimpleNamespace(is_main_process=False), "distil", 3, file=stream, every=0)

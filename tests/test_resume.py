@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from luna_convert.cli import app
-from luna_convert.training import STATE_FILE
+from luna_convert.engine.training import STATE_FILE
 
 from test_pipeline import write_bert_checkpoint, write_sst2, write_timm_checkpoint
 
@@ -187,7 +187,7 @@ def test_image_run_with_augmentation_and_accumulation_resumes_to_identical_resul
     """
     from accelerate.state import GradientState
 
-    import luna_convert.training as training
+    import luna_convert.engine.training as training
 
     root = tmp_path_factory.mktemp("resume-image")
     model_dir, data_dir = write_timm_checkpoint(root / "vit"), write_textured_images(root / "images")
@@ -227,7 +227,7 @@ def error_line(result) -> str:
 
 def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(text_setup, tmp_path,
                                                                                    monkeypatch):
-    import luna_convert.training as training
+    import luna_convert.engine.training as training
 
     model_dir, data_dir = text_setup
     real_loss, calls = training.task_loss, []

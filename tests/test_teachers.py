@@ -36,7 +36,7 @@ def test_minilm_recipe_offline_without_data_dir_says_to_pass_it(tmp_path):
 
 
 def test_minilm_teacher_trains_on_the_given_data_dir(tmp_path, monkeypatch):
-    from luna_convert import teachers
+    from luna_convert.run import teachers
 
     sst2 = shared_data("glue", "SST-2")  # the real GLUE TSVs, passed explicitly as a user's --data-dir
     quick = {**teachers.BUILTIN["minilm-sst2"]["train"], "max_steps": 1, "batch_size": 4,

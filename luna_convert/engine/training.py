@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .conversion import feature_map_parameters, linear_attention_modules
-from .errors import LunaConvertError
-from .fileio import atomic_write_json
+from ..conversion import feature_map_parameters, linear_attention_modules
+from ..errors import LunaConvertError
+from ..fileio import atomic_write_json
+from ..folder_layout import STATE_FILE
 
-STATE_FILE = "trainer_state.json"
 
 
 class NonFiniteLossError(LunaConvertError):

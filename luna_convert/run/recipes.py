@@ -10,10 +10,10 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from .errors import LunaConvertError, unknown_name
+from ..errors import LunaConvertError, unknown_name
 
 # Shipped inside the package (package-data), so an installed tool finds them from any working directory.
-RECIPE_DIRS = [Path(__file__).resolve().parent / "recipes"]
+RECIPE_DIRS = [Path(__file__).resolve().parents[1] / "recipes"]  # package data: luna_convert/recipes/*.yaml
 
 DEFAULTS: dict = {
     "name": None,

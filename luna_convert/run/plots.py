@@ -7,10 +7,9 @@ import io
 import json
 from pathlib import Path
 
-from .fileio import atomic_write_bytes
-from .report import RESULTS_FILE
+from ..fileio import atomic_write_bytes
+from ..folder_layout import CURVES_FILE, RESULTS_FILE
 
-CURVES_FILE = "curves.png"
 STAGE_TITLES = {"distill": "attention distillation (feature maps only)", "finetune": "finetuning (task loss)"}
 
 

@@ -2,7 +2,7 @@
 
 Nothing is fetched when the page is viewed: the CSS is inline, the bar chart is inline SVG and
 the images (each run's ``curves.png``, a bench folder's ``bench.png``) are base64 data URIs.
-The table is :func:`luna_convert.report.table_rows` of :func:`~luna_convert.report.build_report`,
+The table is :func:`luna_convert.tools.report.table_rows` of :func:`~luna_convert.tools.report.build_report`,
 the same cells as report.md and the terminal table.
 """
 
@@ -13,9 +13,9 @@ import json
 from html import escape
 from pathlib import Path
 
-from .errors import LunaConvertError
-from .fileio import atomic_write_text
-from .plots import CURVES_FILE
+from ..errors import LunaConvertError
+from ..fileio import atomic_write_text
+from ..run.plots import CURVES_FILE
 from .report import RESULTS_FILE, build_report, find_runs, table_rows, task_column
 
 BENCH_FILE, BENCH_PLOT = "bench.json", "bench.png"

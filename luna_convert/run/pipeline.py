@@ -7,29 +7,32 @@ is ``luna-convert eval``. Both work unchanged under ``accelerate launch``.
 from __future__ import annotations
 
 import json
-import math
 import time
 from datetime import datetime
 from pathlib import Path
 
-from .autoconfig import check_positions, needs_resolution, resolve_own_data, task_for
-from .conversion import convert, is_converted
-from .errors import LunaConvertError
-from .fileio import atomic_write_json
-from .linear_methods.registry import get_method
-from .metrics import recovered_pct
+from .autoconfig import needs_resolution, resolve_own_data, task_for
+from ..conversion import convert, is_converted
+from ..errors import ConversionError, LunaConvertError
+from ..fileio import atomic_write_json, atomic_write_text
+from ..folder_layout import (CONFIG_FILE, CONVERSION_FILE, CURVES_FILE, DISTILLED_DIR, LOG_FILE, MODEL_CARD_FILE,
+                             MODEL_DIR, RESULTS_FILE, STAGES_FILE, STATE_FILE, TEACHER_FILE, WEIGHTS_FILE)
+from ..linear_methods.registry import get_method
+from ..metrics import headline_metric, recovered_pct
 from .recipes import with_defaults
-from .model_card import MODEL_CARD_FILE, write_model_card
-from .plots import CURVES_FILE, write_curves
-from .serialization import library_versions, save
+from .model_card import write_model_card
+from .plots import write_curves
+from ..serialization import library_versions, save
+from ..engine.training import distill_attention, finetune, read_trainer_state
+from ..tasks import get_task
+from .models import check_model_folder, example_inputs, load_model
+from .teachers import ensure_builtin
+from ..engine.scoring import score
+from .task_data import TaskData, steps_for
 
-RESULTS_FILE, CONFIG_FILE, TEACHER_FILE, LOG_FILE = "results.json", "config.json", "teacher.json", "train_log.jsonl"
 # The control run of `compare`: the original model finetuned unconverted with the same budget, so that
 # "% recovered" can be read against what the extra training alone does to the teacher.
 CONTROL_METHOD = "softmax"
-STAGES_FILE = "stage_scores.json"  # headline score right after conversion and after distillation
-MODEL_DIR, DISTILLED_DIR = "model", "checkpoints/distilled"
-EXTRA_EVAL_SPLITS = {"mnli": ("validation_mismatched",)}
 
 
 # --------------------------------------------------------------------- set-up
@@ -56,7 +59,7 @@ def new_run_dir(config: dict) -> Path:
 
 
 # What a run writes into its folder: removed (only these) before --overwrite reuses a folder.
-RUN_ARTEFACTS = (RESULTS_FILE, CONFIG_FILE, TEACHER_FILE, LOG_FILE, STAGES_FILE, "trainer_state.json", MODEL_DIR,
+RUN_ARTEFACTS = (RESULTS_FILE, CONFIG_FILE, TEACHER_FILE, LOG_FILE, STAGES_FILE, STATE_FILE, MODEL_DIR,
                  "checkpoints", MODEL_CARD_FILE, CURVES_FILE)
 
 
@@ -100,8 +103,8 @@ def _distilled_stage(distilled_dir: Path) -> dict | None:
     The stage record lives in the saved folder's metadata, which appears in the same rename as the
     weights: a folder without it (a run killed mid-write) does not count.
     """
-    meta = distilled_dir / "linear_attention.json"
-    if not (meta.is_file() and (distilled_dir / "model.safetensors").is_file()):
+    meta = distilled_dir / CONVERSION_FILE
+    if not (meta.is_file() and (distilled_dir / WEIGHTS_FILE).is_file()):
         return None
     stage = _read_json(meta, "distillation checkpoint").get("distill_stage")
     if stage is None and (distilled_dir / "stage.json").is_file():  # folders written before the record moved
@@ -114,7 +117,6 @@ def _forget_after_checkpoint(run_dir: Path, finetune_step: int, distilled: bool)
     torn by the kill), and temporary files it left, so the resumed run's folder reads as one run."""
     import shutil
 
-    from .fileio import atomic_write_text
 
     log_file = run_dir / LOG_FILE
     if log_file.is_file():
@@ -139,7 +141,6 @@ def _forget_after_checkpoint(run_dir: Path, finetune_step: int, distilled: bool)
 
 def validate(config: dict) -> None:
     """Fail before any heavy work on settings that cannot work."""
-    from .tasks import get_task
 
     if not config.get("model"):
         raise LunaConvertError("no model given: pass --model ID|PATH or a recipe that names one")
@@ -228,95 +229,10 @@ def distill_steps(config: dict) -> int:
     return int(steps)
 
 
-# ----------------------------------------------------------------------- data
-class TaskData:
-    """The task's splits and loaders for one model's preprocessing."""
-
-    def __init__(self, config: dict, loaded, task, accelerator=None):
-        from . import data
-
-        self.task, self.loaded, self.config = task, loaded, config
-        t = config["train"]
-        self.truncated_by_split: dict[str, int] = {}  # examples cut to max_length; each split counted once
-
-        def split(name: str, limit, train: bool, batch_size: int):
-            dataset = data.load_split(task, name, config["data_dir"], max_examples=limit, seed=config["seed"])
-            if task.kind == "text":
-                dataset = data.align_labels(dataset, task, loaded.id2label, loaded.num_labels)
-                loader = data.make_text_dataloader(dataset, task, loaded.tokenizer, batch_size=batch_size,
-                                                   max_length=t["max_length"], shuffle=train, seed=config["seed"])
-                self.truncated_by_split[name] = getattr(loader, "num_truncated", 0)
-                check_positions(loaded, getattr(loader, "longest", 0), t["max_length"])
-            else:
-                dataset = data.align_labels(dataset, task, loaded.id2label, loaded.num_labels)  # names -> model ids
-                _check_image_labels(dataset, loaded.num_labels, name)
-                size = t["image_size"] or loaded.image_config["size"]
-                transform = data.image_transform(loaded.image_config["mean"], loaded.image_config["std"], size,
-                                                 train=train and t.get("augment", True))
-                loader = data.make_image_dataloader(dataset, transform, batch_size=batch_size, shuffle=train,
-                                                    seed=config["seed"])
-            return dataset, loader
-
-        self.split = split
-
-    @property
-    def truncated(self) -> int:
-        return sum(self.truncated_by_split.values())
-
-    def train_loader(self, batch_size: int | None = None):
-        t = self.config["train"]
-        return self.split(self.task.train_split, t["max_train_examples"], True, batch_size or t["batch_size"])[1]
-
-    def eval_loaders(self) -> dict:
-        t = self.config["train"]
-        names = [self.config["eval_split"] or self.task.eval_split]
-        if not self.config["eval_split"]:
-            names += list(EXTRA_EVAL_SPLITS.get(self.task.name, ()))
-        return {n: self.split(n, t["max_eval_examples"], False, t["eval_batch_size"])[1] for n in names}
-
-
-def _check_image_labels(dataset, num_labels: int, split: str) -> None:
-    classes = getattr(dataset, "classes", None)
-    if classes is not None and len(classes) > num_labels:
-        raise LunaConvertError(
-            f"the {split} split has {len(classes)} classes but the model predicts {num_labels}; "
-            "use a model finetuned on these classes"
-        )
-
-
-def score(accelerator, model, loaders: dict, task) -> tuple[dict, int]:
-    """Metrics on every eval split (extra splits prefixed by their name) and examples counted."""
-    from .metrics import compute_metrics
-    from .training import predict
-
-    metrics, counted = {}, 0
-    for i, (name, loader) in enumerate(loaders.items()):
-        logits, labels = predict(accelerator, model, accelerator.prepare_data_loader(loader), f"eval {name}")
-        values = compute_metrics(task, logits, labels)
-        prefix = "" if i == 0 else f"{name}/"
-        metrics.update({f"{prefix}{k}": v for k, v in values.items()})
-        counted += len(labels) if i == 0 else 0
-    return metrics, counted
-
-
-def steps_for(config: dict, loader, accelerator) -> int:
-    t = config["train"]
-    if t["max_steps"]:
-        return int(t["max_steps"])
-    per_process = math.ceil(len(loader) / accelerator.num_processes)
-    # an epoch's last, short accumulation window is an update too (as accelerate does it)
-    return max(1, math.ceil(t["epochs"] * math.ceil(per_process / t["grad_accum"])))
-
-
 # ------------------------------------------------------------------------ run
 def run_conversion(config: dict, resume: str | Path | None = None, console=None) -> dict:
     """Convert the configured model and train it back; returns results.json's content."""
     from accelerate.utils import set_seed
-
-    from .metrics import headline_metric
-    from .models import load_model
-    from .teachers import ensure_builtin
-    from .training import distill_attention, finetune, read_trainer_state
 
     t_start = time.perf_counter()
     if resume is not None:
@@ -431,7 +347,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     if n_distill and distilled is not None:
         from safetensors.torch import load_model as load_weights
 
-        load_weights(model, str(distilled_dir / "model.safetensors"))
+        load_weights(model, str(distilled_dir / WEIGHTS_FILE))
         timings["distill_s"] = distilled["seconds"]
     elif n_distill:
         say(f"distilling attention for {n_distill} steps: each linear attention learns to match its softmax attention")
@@ -505,9 +421,6 @@ def _check_convertible(model, method: str, options: dict) -> None:
 
     import torch
 
-    from .errors import ConversionError
-    from .models import example_inputs
-
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     probe = copy.deepcopy(model, memo=shared).eval()
     chosen: list[str] = []
@@ -549,9 +462,6 @@ def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | No
     """Metrics of a saved converted model, a run folder, or an original checkpoint."""
     from accelerate import Accelerator
 
-    from .models import load_model
-    from .tasks import get_task
-
     path = Path(path)
     run_config = {}
     if (path / RESULTS_FILE).is_file() or (path / CONFIG_FILE).is_file() and (path / MODEL_DIR).is_dir():
@@ -559,11 +469,10 @@ def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | No
         path = path / MODEL_DIR
     source = str(path)
     meta_task = None
-    meta_file = path / "linear_attention.json"
+    meta_file = path / CONVERSION_FILE
     if meta_file.is_file():
         meta_task = _read_json(meta_file, "model metadata").get("task")
     elif path.is_dir():  # say what the folder is not before asking which task it was trained for
-        from .models import check_model_folder
 
         check_model_folder(path)
     elif path.exists():

@@ -2,7 +2,7 @@
 (the LUNA paper's Figure 4).
 
 For one input and one converted attention layer, the q and k that layer computes are captured
-with a forward pre-hook on its :class:`~luna_convert.attention.LinearAttention`. From them:
+with a forward pre-hook on its :class:`~luna_convert.layers.attention.LinearAttention`. From them:
 
     softmax row  softmax(q_cls k^T * scale) over real keys   (linear_attention.softmax_attention_weights)
     linear row   phi(q_cls)^T phi(k_j) / sum_m phi(q_cls)^T phi(k_m)   (LinearAttention.attention_weights)
@@ -29,7 +29,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import LunaConvertError
+from ..errors import LunaConvertError
+from ..folder_layout import CONFIG_FILE, CONVERSION_FILE, MODEL_DIR
+from ..adapters import vision_grid
+from ..conversion import CONFIG_ATTR, convert, is_converted, linear_attention_modules
+from ..data import image_transform
+from ..engine.training import forward_logits
+from ..fileio import atomic_write_bytes
+from ..ops.reference import softmax_attention_weights
+from ..run.models import load_model
+from ..run.teachers import builtin_dir
 
 ORIGINAL_CHOICES = "converted, teacher or a model folder"
 
@@ -63,8 +72,6 @@ class AttentionMap:
 
 # ---------------------------------------------------------------------- capture
 def _layer(model, layer: int):
-    from .conversion import linear_attention_modules
-
     layers = linear_attention_modules(model)
     if not layers:
         raise LunaConvertError("this model has no linear attention layers: attention maps compare a converted "
@@ -104,8 +111,6 @@ def attention_rows(captured: dict, query_index: int | None = 0) -> tuple[np.ndar
     ([H, N], [H, N]). ``query_index`` None averages the rows of all real queries."""
     import torch
 
-    from .ops.reference import softmax_attention_weights
-
     module, q, k, mask = captured["module"], captured["q"], captured["k"], captured["key_mask"]
     with torch.no_grad():
         soft = softmax_attention_weights(q, k, module.softmax_scale, mask)[0]  # [H, N, N]
@@ -119,7 +124,6 @@ def attention_rows(captured: dict, query_index: int | None = 0) -> tuple[np.ndar
 def _as_softmax_model(model):
     """The original (unconverted) model, run as exact softmax attention with q and k exposed: a
     converted copy whose linear layers are in distillation mode (they then compute softmax)."""
-    from .conversion import convert, is_converted, linear_attention_modules
 
     if is_converted(model):
         raise LunaConvertError("the --original model is already converted; pass the original softmax model")
@@ -169,8 +173,6 @@ def open_image(spec: str):
 
 
 def _image_inputs(loaded, image) -> tuple[dict, np.ndarray]:
-    from .data import image_transform
-
     if loaded.kind != "image":
         raise LunaConvertError("this is a text model: pass --text \"...\" instead of --image")
     cfg = loaded.image_config
@@ -181,8 +183,6 @@ def _image_inputs(loaded, image) -> tuple[dict, np.ndarray]:
 
 
 def _prefix_and_grid(model, num_tokens: int) -> tuple[int, tuple[int, int]]:
-    from .adapters import vision_grid
-
     grid = vision_grid(model)
     prefix = getattr(model, "num_prefix_tokens", None)
     if grid is None or prefix is None:
@@ -202,10 +202,8 @@ def _query_index(model, kind: str) -> int | None:
 def compute_attention_map(loaded, text: str | None = None, image=None, layer: int = -1, original_model=None,
                           original_name: str = "converted") -> AttentionMap:
     """The CLS rows of ``layer`` for one text or one PIL image. ``loaded``: a
-    :class:`~luna_convert.models.LoadedModel` of a converted model; ``original_model``: the
+    :class:`~luna_convert.model_building.LoadedModel` of a converted model; ``original_model``: the
     unconverted model for the softmax row (None: the converted model's own q, k)."""
-    from .conversion import CONFIG_ATTR
-    from .training import forward_logits
 
     if (text is None) == (image is None):
         raise LunaConvertError("pass exactly one of --text \"...\" or --image PATH")
@@ -242,8 +240,6 @@ def render(amap: AttentionMap, path: str | Path, title: str | None = None) -> Pa
     """Draw the two rows (softmax above linear) and write a PNG atomically."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
-    from .fileio import atomic_write_bytes
 
     who = "CLS" if amap.query_index is not None else "mean query"
     soft_label = "softmax" + (" (original model)" if amap.original != "converted" else "")
@@ -322,15 +318,15 @@ def _resolve(path: Path) -> tuple[Path, dict | None]:
     """(converted model folder, run config or None) for a run folder or a saved model folder."""
     if not path.exists():
         raise LunaConvertError(f"{path} does not exist; pass a run folder (outputs/<run>) or a converted model folder")
-    if (path / "model" / "linear_attention.json").is_file():
+    if (path / MODEL_DIR / CONVERSION_FILE).is_file():
         try:
-            config = json.loads((path / "config.json").read_text())
+            config = json.loads((path / CONFIG_FILE).read_text())
         except (OSError, ValueError):
             config = None
-        return path / "model", config
-    if (path / "linear_attention.json").is_file():
+        return path / MODEL_DIR, config
+    if (path / CONVERSION_FILE).is_file():
         return path, None
-    if (path / "config.json").is_file() and not (path / "model").exists():
+    if (path / CONFIG_FILE).is_file() and not (path / MODEL_DIR).exists():
         raise LunaConvertError(f"{path} has no converted model (a transformers checkpoint, or a run that has not "
                                "finished): pass a finished run folder or a folder written by luna_convert.save")
     raise LunaConvertError(f"{path} is not a run folder or a converted model folder (no linear_attention.json); "
@@ -338,8 +334,6 @@ def _resolve(path: Path) -> tuple[Path, dict | None]:
 
 
 def _original_model(original: str, run_dir: Path, run_config: dict | None, num_labels: int):
-    from .models import load_model
-
     if original == "converted":
         return None, "converted"
     if original == "teacher":
@@ -349,11 +343,10 @@ def _original_model(original: str, run_dir: Path, run_config: dict | None, num_l
         source = str(run_config["model"])
         if source.startswith("builtin:"):
             name = source.split(":", 1)[1]
-            from .teachers import builtin_dir
 
             # shipped in the package (checked), or cached beside the run
             candidates = [builtin_dir(name, run_dir.parent), builtin_dir(name, run_config.get("output_dir", "outputs"))]
-            found = next((c for c in candidates if (c / "linear_attention.json").is_file()), None)
+            found = next((c for c in candidates if (c / CONVERSION_FILE).is_file()), None)
             if found is None:
                 raise LunaConvertError(f"the run's original model {source} is not cached (looked in "
                                        f"{', '.join(map(str, candidates))}); pass --original PATH")
@@ -369,12 +362,11 @@ def attention_map_command(path: str | Path, text: str | None = None, image: str 
                           output: str | Path | None = None, original: str = "converted",
                           overwrite: bool = False) -> tuple[Path, AttentionMap]:
     """What ``luna-convert attention-map`` does: load, compute, render; returns (PNG path, map)."""
-    from .models import load_model
 
     if (text is None) == (image is None):
         raise LunaConvertError("pass exactly one of --text \"...\" or --image PATH")
     model_dir, run_config = _resolve(Path(path))
-    name = Path(path).resolve().name if model_dir.name != "model" else model_dir.parent.resolve().name
+    name = Path(path).resolve().name if model_dir.name != MODEL_DIR else model_dir.parent.resolve().name
     picture = open_image(image) if image is not None else None
     out = Path(output) if output is not None else Path(f"attention-map-{name}-layer{layer}.png")
     if out.exists() and not overwrite:

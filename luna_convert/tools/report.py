@@ -8,12 +8,12 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .autoconfig import OWN_DATA_TASKS
-from .errors import LunaConvertError
-from .fileio import atomic_write_text
-from .metrics import LOWER_IS_BETTER
+from ..run.autoconfig import OWN_DATA_TASKS
+from ..errors import LunaConvertError
+from ..fileio import atomic_write_text
+from ..folder_layout import RESULTS_FILE
+from ..metrics import LOWER_IS_BETTER
 
-RESULTS_FILE = "results.json"
 
 
 def find_runs(paths: list[Path]) -> list[dict]:

@@ -29,8 +29,11 @@ import math
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .errors import LunaConvertError
-from .tasks import TaskSpec, get_task
+from ..errors import LunaConvertError
+from ..tasks import TaskSpec, get_task
+from .. import data
+from ..data import TABLE_EXTENSIONS, canonical_split, model_label_names, align_labels, normalize_label_name
+from ..metrics import metric_names
 
 __all__ = [
     "OWN_DATA_TASKS", "AUTO_KEYS", "needs_resolution", "mark_auto", "task_for", "infer_task",
@@ -98,7 +101,6 @@ def _spec_from_dict(d: dict) -> TaskSpec:
 
 def resolve_metric(spec: TaskSpec, metric: str | None, num_classes: int | None = None) -> str:
     """The headline metric key: ``metric`` (aliases accepted) if the task computes it, else the task's."""
-    from .metrics import metric_names
 
     if not metric:
         return spec.headline
@@ -307,8 +309,6 @@ def check_positions(loaded, tokens: int, max_length: int | None = None) -> None:
 
 # ------------------------------------------------------------------ splits
 def _available_splits(data_dir, kind: str) -> tuple[list[str], str]:
-    from . import data
-
     if data.datasets_source(data_dir) is not None:
         dd = data.load_datasets_dict(data_dir)
         what = "hub dataset" if data.datasets_source(data_dir) == "hub" else "save_to_disk folder"
@@ -333,14 +333,12 @@ def _available_splits(data_dir, kind: str) -> tuple[list[str], str]:
 
 
 def _pick_split(names: list[str], wanted: str | None, role: str, where: str, skip: str | None = None) -> str:
-    from .data import TABLE_EXTENSIONS, _canonical_split
-
     flag = "--train-split" if role == "train" else "--eval-split"
     if wanted:
         w = str(wanted)
         if Path(w).suffix.lower() in TABLE_EXTENSIONS and Path(w).stem in names:
             w = Path(w).stem
-        if w in names or any(_canonical_split(n) == _canonical_split(w) for n in names):
+        if w in names or any(canonical_split(n) == canonical_split(w) for n in names):
             return w
         raise LunaConvertError(f"no split {wanted!r} ({flag}) in {where}; found: {', '.join(names) or 'nothing'}")
     order = ("train",) if role == "train" else ("validation", "dev", "val", "valid", "test")
@@ -354,7 +352,6 @@ def _pick_split(names: list[str], wanted: str | None, role: str, where: str, ski
 
 def _raw_columns(data_dir, split: str, spec: TaskSpec, limit: int = 5000) -> tuple[dict[str, list], dict, str]:
     """A sample of a text split's raw columns, its ClassLabel names per column, and its name for messages."""
-    from . import data
 
     if data.datasets_source(data_dir) is not None:
         import datasets
@@ -367,8 +364,8 @@ def _raw_columns(data_dir, split: str, spec: TaskSpec, limit: int = 5000) -> tup
         cols = {c: list(sample[c]) for c in keep}
         classes = {c: list(f.names) for c, f in ds.features.items() if isinstance(f, datasets.ClassLabel)}
         return cols, classes, f"{data_dir} split {name!r}"
-    path = data._find_split_file(spec, Path(data_dir).expanduser(), split)
-    cols = data._read_table(path)
+    path = data.find_split_file(spec, Path(data_dir).expanduser(), split)
+    cols = data.read_table(path)
     return {k: v[:limit] for k, v in cols.items()}, {}, path.name
 
 
@@ -378,7 +375,6 @@ def resolve_own_data(config: dict, loaded, say: Callable[[str], None] | None = N
     ``config["data_dir"]``. Updates ``config`` (``task``, ``train.*``, ``resolved``) and returns
     ``config["resolved"]``. Raises :class:`LunaConvertError` with a one-line message on data the
     model cannot use (missing/wrong columns, unmatched labels, empty splits, too many positions)."""
-    from . import data
 
     data_dir = config.get("data_dir")
     if not data_dir:
@@ -411,7 +407,7 @@ def resolve_own_data(config: dict, loaded, say: Callable[[str], None] | None = N
         train_ds = data.load_split(spec, train_split, data_dir, max_examples=t.get("max_train_examples"), seed=seed)
         eval_ds = data.load_split(spec, eval_split, data_dir, max_examples=t.get("max_eval_examples"), seed=seed)
         classes = list(getattr(train_ds, "classes", []) or [])
-        model_names = data._model_names(loaded.id2label, num_labels)
+        model_names = data.model_label_names(loaded.id2label, num_labels)
         if len(classes) != num_labels:
             raise LunaConvertError(f"the data has {len(classes)} classes ({_short(classes)}) but {model_name} predicts "
                                    f"{num_labels}; use the model finetuned on these classes")
@@ -450,7 +446,6 @@ def resolve_own_data(config: dict, loaded, say: Callable[[str], None] | None = N
     n_train, n_eval = len(train_ds), len(eval_ds)
     headline = resolve_metric(spec, config.get("metric"), num_labels)
     spec = dataclasses.replace(spec, headline=headline)
-    from .metrics import metric_names
 
     num_params = sum(p.numel() for p in loaded.model.parameters())
     limit = model_position_limit(loaded) if kind == "text" else None
@@ -515,11 +510,10 @@ def _short(items: Sequence, n: int = 8) -> str:
 def _class_label_names(names: list[str] | None, loaded, model_name: str) -> tuple[str, ...] | None:
     """A ClassLabel's names when they name the model's classes (so ids are permuted to the model's
     order); None when the model's names are generic (ids kept); an error when both name classes but differ."""
-    from .data import _model_names, normalize_label_name
 
     if not names:
         return None
-    model_names = _model_names(loaded.id2label, loaded.num_labels)
+    model_names = model_label_names(loaded.id2label, loaded.num_labels)
     if model_names is None:
         return None
     index = {normalize_label_name(n) for n in model_names}
@@ -531,9 +525,7 @@ def _class_label_names(names: list[str] | None, loaded, model_name: str) -> tupl
 
 
 def _check_text_labels(spec: TaskSpec, train_ds, eval_ds, loaded, model_name: str, eval_split: str) -> dict:
-    from .data import _model_names, align_labels
-
-    model_names = _model_names(loaded.id2label, loaded.num_labels)
+    model_names = model_label_names(loaded.id2label, loaded.num_labels)
     if spec.is_regression:
         values = [float(y) for y in train_ds["label"]]
         return {"mapping": "regression targets", "range": [min(values), max(values)]}

@@ -15,11 +15,12 @@ import json
 import math
 from pathlib import Path
 
-from .errors import LunaConvertError
-from .fileio import atomic_write_json, atomic_write_text
-from .pipeline import CONTROL_METHOD, RESULTS_FILE, run_conversion
+from ..errors import LunaConvertError
+from ..fileio import atomic_write_json, atomic_write_text
+from ..folder_layout import COMPARE_FILE, PLOT_FILE, RESULTS_FILE, TABLE_FILE
+from .pipeline import CONTROL_METHOD, run_conversion
+from ..linear_methods.registry import get_method
 
-COMPARE_FILE, TABLE_FILE, PLOT_FILE = "compare.json", "compare.md", "compare.png"
 STAGES = ("after_conversion", "after_distillation", "final")
 
 
@@ -30,7 +31,6 @@ def run_dir_for(folder: Path, method: str, seed: int) -> Path:
 def run_compare(config: dict, methods: list[str], seeds: list[int], folder: Path, control: bool = True,
                 console=None) -> dict:
     """Run every method (and the control) for every seed into ``folder``; returns compare.json's content."""
-    from .linear_methods.registry import get_method
 
     for method in methods:
         get_method(method)  # an unknown name fails before any run starts

@@ -1,0 +1,1 @@
+"""Training and scoring loops: attention distillation, finetuning, predictions and metrics over loaders."""

@@ -1,0 +1,1 @@
+"""Tools over converted models and run folders: benchmarks, reports, attention maps."""
