@@ -63,9 +63,13 @@ def teacher_entropy(model, batches) -> float:
 
     layers = linear_attention_modules(model)
     handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
+    for layer in layers:  # distillation mode: every layer passes softmax's output on, as the teacher does
+        layer.distill = True
     with torch.no_grad():
         for batch in batches:
             model(**batch)
+    for layer in layers:
+        layer.distill = False
     for h in handles:
         h.remove()
     return sum(entropies) / len(entropies)
