@@ -399,12 +399,16 @@ def demo(
 
     # One thread by default: on a shared 2-core machine (load 5), two threads waiting on each other made a
     # finetune step of this model 9x slower than one (measured 4.5 s vs 0.5 s); its matrices are 64 wide.
+    previous_threads = torch.get_num_threads()  # restored after: the demo must not change its caller's torch
     if threads or "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads or 1)
     console.print(f"demo: a small softmax ViT that reads scikit-learn's 8x8 digits (shipped with luna-convert) is "
                   f"converted to {config['method']} linear attention, trained back briefly and scored against its "
                   "original on the same held-out digits", soft_wrap=True, highlight=False)
-    results = _guard(lambda: _run_pipeline(config))
+    try:
+        results = _guard(lambda: _run_pipeline(config))
+    finally:
+        torch.set_num_threads(previous_threads)
     _print_results(results)
     if results is not None and _is_main():
         run_dir = Path(results["run_dir"])

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from luna_convert.run import teachers
@@ -76,8 +77,14 @@ def test_demo_converts_the_shipped_teacher_without_training_it(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)  # nothing may depend on a teacher cached under the working folder
     out = tmp_path / "out"
     # A tiny budget: this checks the path (load, score, convert, distil, finetune, score, save), not the score.
-    result = CliRunner().invoke(app, ["demo", "--output-dir", str(out), "--set", "distill.steps=2",
-                                      "--set", "train.max_steps=2", "--set", "train.max_eval_examples=32"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # not the demo's 1: the demo must hand back the caller's setting
+    try:
+        result = CliRunner().invoke(app, ["demo", "--output-dir", str(out), "--set", "distill.steps=2",
+                                          "--set", "train.max_steps=2", "--set", "train.max_eval_examples=32"])
+        assert torch.get_num_threads() == 2  # (other in-process runs after it, e.g. the resume tests, depend on it)
+    finally:
+        torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
     (run_dir,) = out.glob("digits-vit-luna-*")
     results = json.loads((run_dir / "results.json").read_text())
