@@ -43,6 +43,28 @@ def check_positive_int(options: Any, *names: str) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(options: Any, *names: str, non_negative: bool = False) -> None:
+    for name in names:
+        value = getattr(options, name)
+        if not is_int(value) or (non_negative and value < 0):
+            raise ValueError(f"{name} must be a{' non-negative' if non_negative else 'n'} integer, got {value!r}")
+
+
+def check_non_negative_number(options: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(options, name)
+        if not is_number(value) or value < 0:
+            raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+
+
 def check_choice(name: str, value: Any, choices) -> None:
     if value not in choices:
         raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, choices))}")

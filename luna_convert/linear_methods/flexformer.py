@@ -32,7 +32,7 @@ from torch import nn
 
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
-from .base import AttentionOptions, FeatureMap, Method, check_choice, option
+from .base import AttentionOptions, FeatureMap, Method, check_choice, check_int, check_non_negative_number, option
 from .performer import orthogonal_random_features
 from .registry import register
 
@@ -55,14 +55,9 @@ class FlexformerOptions(AttentionOptions):
     def __post_init__(self):
         super().__post_init__()
         check_choice("variant", self.variant, VARIANTS)
-        for name in ("num_frequencies", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or (name == "num_frequencies" and value < 0):
-                raise ValueError(f"{name} must be a {'non-negative ' if name == 'num_frequencies' else ''}"
-                                 f"integer, got {value!r}")
-        offset = self.nonstationary_offset
-        if isinstance(offset, bool) or not isinstance(offset, (int, float)) or offset < 0:
-            raise ValueError(f"nonstationary_offset must be a non-negative number, got {offset!r}")
+        check_int(self, "num_frequencies", non_negative=True)
+        check_int(self, "seed")
+        check_non_negative_number(self, "nonstationary_offset")
 
 
 def gaussian_frequencies(num_heads: int, m: int, d: int, generator: torch.Generator) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
-from .base import AttentionOptions, FeatureMap, Method, check_positive_int, option
+from .base import AttentionOptions, FeatureMap, Method, check_int, check_positive_int, option
 from .registry import register
 from .taylor import upper_triangle
 
@@ -42,8 +42,7 @@ class LLoPSOptions(AttentionOptions):
         check_positive_int(self, "rank", "degree")
         if self.degree % 2:
             raise ValueError(f"degree must be even (phi packs psi psi^T), got {self.degree!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        check_int(self, "seed")
 
 
 class LLoPSFeatureMap(FeatureMap):

@@ -21,7 +21,8 @@ import torch
 
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
-from .base import AttentionOptions, FeatureMap, Method, check_positive_int, option
+from .base import (AttentionOptions, FeatureMap, Method, check_int, check_non_negative_number, check_positive_int,
+                   option)
 from .registry import register
 
 
@@ -40,11 +41,8 @@ class PerformerOptions(AttentionOptions):
         super().__post_init__()
         if self.num_features != 0:
             check_positive_int(self, "num_features")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if isinstance(self.kernel_epsilon, bool) or not isinstance(self.kernel_epsilon, (int, float)) \
-                or self.kernel_epsilon < 0:
-            raise ValueError(f"kernel_epsilon must be a non-negative number, got {self.kernel_epsilon!r}")
+        check_int(self, "seed")
+        check_non_negative_number(self, "kernel_epsilon")
 
 
 def default_num_features(head_dim: int) -> int:
