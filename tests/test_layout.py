@@ -294,3 +294,28 @@ def test_the_package_has_no_import_cycle_no_private_imports_and_no_hidden_import
         for func in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
             hidden = [n for n in ast.walk(func) if package_imports(path, n)]
             assert not hidden, f"{name}:{func.name} imports a package module inside a function"
+
+
+def test_the_rest_of_the_package_uses_data_through_its_front():
+    """luna_convert.data re-exports what other modules use; its sub-modules are its own business."""
+    outside = {m: ts for m, ts in import_edges().items() if m.split(".")[:2] != ["luna_convert", "data"]}
+    reaching = {m: sorted(t for t in ts if t.startswith("luna_convert.data.")) for m, ts in outside.items()}
+    assert not {m: ts for m, ts in reaching.items() if ts}
+    assert "luna_convert.data" in outside["luna_convert.run.task_data"]  # the edges do see data's users
+
+def test_no_module_reads_a_private_name_of_a_package_module_it_imports():
+    """``from .. import data`` then ``data._cache`` reaches into a private name as surely as importing it."""
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        bound = set()  # local names bound to a luna_convert module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and package_imports(path, node):
+                bound.update(a.asname or a.name for a, target in zip(node.names, package_imports(path, node))
+                             if target in modules and target.rpartition(".")[2] == a.name)
+            elif isinstance(node, ast.Import):
+                bound.update(a.asname for a in node.names if a.asname and a.name in modules)
+        private = sorted({f"{n.value.id}.{n.attr}" for n in ast.walk(tree)
+                          if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in bound
+                          and n.attr.startswith("_") and not n.attr.startswith("__")})
+        assert not private, f"{module_name(path)} reads private names {private}"

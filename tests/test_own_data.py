@@ -260,7 +260,7 @@ def test_saved_dataset_dict_with_classlabel_and_image_column(tmp_path):
 def test_hub_dataset_id(tmp_path, monkeypatch, bert):
     import datasets
 
-    from luna_convert import data as data_mod
+    from luna_convert.data import hub
 
     calls = []
 
@@ -271,7 +271,7 @@ def test_hub_dataset_id(tmp_path, monkeypatch, bert):
                                      for s, n in (("train", 8), ("test", 4))})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    monkeypatch.setattr(data_mod, "_HUB_CACHE", {})
+    monkeypatch.setattr(hub, "_HUB_CACHE", {})  # empty, so the fake load_dataset answers
     config = own_config(bert, "hf:someone/reviews:plain")
     resolved = resolve_own_data(config, load_model(str(bert)))
     assert calls[0] == ("someone/reviews", "plain") and resolved["data"]["source"] == "hub dataset"

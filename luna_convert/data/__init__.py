@@ -1,0 +1,42 @@
+"""Loading task data (GLUE TSV / CSV / JSON lines / parquet / the hub cache / ImageFolder /
+scikit-learn digits) and turning it into deterministic PyTorch DataLoaders.
+
+One concern a module: ``splits`` (split names, subsets), ``labels`` (label values, class names,
+:func:`align_labels`), ``tables`` (local table files), ``glue`` (GLUE TSV files and the hub's GLUE),
+``images`` (image datasets), ``hub`` (hub datasets and save_to_disk folders), ``loading``
+(:func:`load_split`), ``text_loader`` and ``image_loader`` (DataLoaders). Imports run one way, in
+that order.
+
+Heavy libraries (datasets, transformers, torchvision, sklearn, pandas) are imported inside
+the functions that need them.
+"""
+
+from __future__ import annotations
+
+from .hub import datasets_source, datasets_split_name, load_datasets_dict
+from .image_loader import image_transform, make_image_dataloader
+from .images import DigitsDataset, ImageFolderDataset
+from .labels import align_labels, model_label_names, normalize_label_name
+from .loading import load_split
+from .splits import canonical_split
+from .tables import TABLE_EXTENSIONS, find_split_file, read_table
+from .text_loader import make_text_dataloader
+
+__all__ = [
+    "load_split",
+    "align_labels",
+    "make_text_dataloader",
+    "image_transform",
+    "make_image_dataloader",
+    "ImageFolderDataset",
+    "DigitsDataset",
+    "normalize_label_name",
+    "model_label_names",
+    "canonical_split",
+    "TABLE_EXTENSIONS",
+    "find_split_file",
+    "read_table",
+    "datasets_source",
+    "load_datasets_dict",
+    "datasets_split_name",
+]
