@@ -5,6 +5,7 @@ Tiny models built from configs: 3 layers, global / local / global, a window of 2
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -205,7 +206,7 @@ def test_distillation_follows_the_original_and_trains_the_feature_maps():
         layer.distill = False
     start = [p.detach().clone() for p in params]
     result = distill_attention(Accelerator(cpu=True), model, [inputs] * 3, steps=3, lr=1e-2)
-    assert result.steps == 3 and result.final_loss is not None and result.final_loss == result.final_loss
+    assert result.steps == 3 and math.isfinite(result.final_loss)
     assert all(not torch.equal(p, p0) for p, p0 in zip(params, start))
 
 
