@@ -25,6 +25,7 @@ class ConversionConfig:
     method: str
     options: dict
     targets: list[str] = field(default_factory=list)
+    convert_local_layers: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -46,6 +47,7 @@ class ConversionReport:
     method: str
     options: dict
     modules: list[ReplacedModule]
+    kept_local: list[str] = field(default_factory=list)  # sliding-window attention left softmax
 
     @property
     def params_added(self) -> int:
@@ -53,12 +55,15 @@ class ConversionReport:
 
     def to_dict(self) -> dict:
         return {"method": self.method, "options": self.options, "params_added": self.params_added,
-                "modules": [asdict(m) for m in self.modules]}
+                "modules": [asdict(m) for m in self.modules], "kept_local": self.kept_local}
 
     def __str__(self) -> str:
         lines = [f"{self.method}: replaced {len(self.modules)} attention modules, +{self.params_added:,} parameters"]
         lines += [f"  {m.name}: {m.original_class} ({m.num_heads} heads x {m.head_dim}, D={m.feature_dim}, "
                   f"+{m.params_added:,})" for m in self.modules]
+        if self.kept_local:
+            lines.append(f"  kept softmax: {len(self.kept_local)} sliding-window (local) attention modules "
+                         "(convert_local_layers=True converts them too)")
         return "\n".join(lines)
 
 
@@ -89,13 +94,17 @@ def convert(
     model: nn.Module,
     method: str = "luna",
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    *,
+    convert_local_layers: bool = False,
     **options,
 ) -> ConversionReport:
     """Convert ``model`` in place; returns what was replaced.
 
     ``filter_fn(module, name)`` restricts the targets (default: every supported
-    self-attention). ``options`` override the method's defaults
-    (see ``luna_convert.METHODS[method].defaults`` or ``luna-convert methods --details``).
+    self-attention). Sliding-window (local) attention, as in ModernBERT's local layers,
+    stays softmax unless ``convert_local_layers``: linear attention attends to every key,
+    so a converted local layer no longer sees only its window. ``options`` override the
+    method's defaults (see ``luna_convert.METHODS[method].defaults`` or ``luna-convert methods --details``).
     """
     if is_converted(model):
         raise ConversionError("this model is already converted to linear attention; convert the original checkpoint instead")
@@ -103,16 +112,21 @@ def convert(
     grid = patch_grid(model)
     check_supported(model)
 
-    targets = [(name, module, adapter) for name, module in model.named_modules()
-               if (adapter := find_adapter(module)) is not None and (filter_fn is None or filter_fn(module, name))]
+    supported = [(name, module, adapter) for name, module in model.named_modules()
+                 if (adapter := find_adapter(module)) is not None and (filter_fn is None or filter_fn(module, name))]
+    kept_local = [] if convert_local_layers else [name for name, module, adapter in supported if adapter.local(module)]
+    targets = [target for target in supported if target[0] not in kept_local]
+    if kept_local and not targets:
+        raise ConversionError(f"every attention module chosen in {type(model).__name__} is sliding-window (local) "
+                              "attention, which stays softmax by default; pass convert_local_layers=True to convert it")
     if not targets:
         found = attention_like_classes(model)
         raise ConversionError(
             f"no supported softmax self-attention in {type(model).__name__} (attention classes found: "
             f"{', '.join(found) or 'none'}); supported: bidirectional softmax self-attention with absolute "
-            "positions in transformers BERT-family (DistilBERT, ALBERT too), ViT/DeiT/DINOv2 and CLIP/SigLIP vision "
-            "models and timm VisionTransformer (causal/decoder, cross-attention, rotary and relative-position "
-            "attention are not; see docs/architectures.md)"
+            "positions in transformers BERT-family (DistilBERT, ALBERT too), ModernBERT (rotary), ViT/DeiT/DINOv2 and "
+            "CLIP/SigLIP vision models and timm VisionTransformer (causal/decoder, cross-attention, other rotary and "
+            "relative-position attention are not; see docs/architectures.md)"
         )
 
     # Build every replacement before touching the model, so that bad option values
@@ -136,8 +150,8 @@ def convert(
         replaced.append(ReplacedModule(name, original_class, adapter.name, num_heads, head_dim,
                                        linear_attn.feature_dim, sum(p.numel() for p in linear_attn.parameters())))
 
-    setattr(model, CONFIG_ATTR, ConversionConfig(method, resolved, [r.name for r in replaced]))
-    return ConversionReport(method, resolved, replaced)
+    setattr(model, CONFIG_ATTR, ConversionConfig(method, resolved, [r.name for r in replaced], convert_local_layers))
+    return ConversionReport(method, resolved, replaced, kept_local)
 
 
 def linear_attention_modules(model: nn.Module) -> list[LinearAttention]:

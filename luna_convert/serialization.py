@@ -140,7 +140,8 @@ def load(directory: str | Path) -> nn.Module:
     if conversion is not None:
         target_names = set(conversion["targets"])
         options = get_method(conversion["method"]).options.with_saved_defaults(conversion["options"])
-        convert(model, conversion["method"], filter_fn=lambda _m, name: name in target_names, **options)
+        convert(model, conversion["method"], filter_fn=lambda _m, name: name in target_names,
+                convert_local_layers=conversion.get("convert_local_layers", False), **options)
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise LunaConvertError(f"{weights} is missing; the folder is incomplete, re-run or restore it")

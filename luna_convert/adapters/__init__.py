@@ -12,9 +12,9 @@ new file here, imported below. Registration order is matching order.
 
 from __future__ import annotations
 
-from . import bert, distilbert, vit, timm_vit, albert, clip  # noqa: F401  (converting families)
-from . import mpnet, deberta, beit, swin, modernbert  # noqa: F401  (refused families)
-from .base import LinearizedAttention, key_padding_mask
+from . import bert, distilbert, vit, timm_vit, albert, clip, modernbert  # noqa: F401  (converting families)
+from . import mpnet, deberta, beit, swin  # noqa: F401  (refused families)
+from .base import LinearizedAttention, key_padding_mask, sliding_window_key_padding_mask
 from .grid import PatchGrid, patch_grid, vision_grid
 from .registry import (ADAPTERS, REFUSALS, Adapter, Refusal, attention_like_classes, check_no_position_biases,
                        check_supported, find_adapter, linearize, linearized_class,
@@ -23,5 +23,5 @@ from .registry import (ADAPTERS, REFUSALS, Adapter, Refusal, attention_like_clas
 __all__ = [
     "ADAPTERS", "REFUSALS", "Adapter", "LinearizedAttention", "PatchGrid", "Refusal", "attention_like_classes",
     "check_no_position_biases", "check_supported", "find_adapter", "key_padding_mask", "linearize",
-    "linearized_class", "patch_grid", "unknown_members", "vision_grid",
+    "linearized_class", "patch_grid", "sliding_window_key_padding_mask", "unknown_members", "vision_grid",
 ]

@@ -19,6 +19,25 @@ from .grid import PatchGrid
 _ADDITIVE_DROP = -1000.0
 
 
+def _kept(mask: torch.Tensor) -> torch.Tensor:
+    """Any accepted attention mask as bool, same shape (True = keep): bool masks as they are, [B, N] 0/1
+    masks, additive float masks (0 = keep, very negative = drop; anything else is a score bias: refused)."""
+    if not isinstance(mask, torch.Tensor):  # e.g. a flex-attention BlockMask
+        raise ValueError(
+            f"linear attention cannot read a {type(mask).__name__} attention mask; load the model with "
+            "attn_implementation='eager' or 'sdpa'"
+        )
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.dim() == 2 and not bool((mask < 0).any()):
+        return mask > 0  # 0/1 (or 0/positive) key-padding mask
+    keep = mask > _ADDITIVE_DROP  # additive
+    if bool((keep & (mask != 0)).any()):  # neither keep (0) nor drop: a score bias
+        raise ValueError("the attention mask adds biases to the scores (e.g. a relative-position bias), not only "
+                         "key padding; linear attention cannot apply them")
+    return keep
+
+
 def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     """Normalise any attention mask reaching self-attention to bool [B, N] (True = real key).
 
@@ -35,20 +54,7 @@ def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     """
     if mask is None:
         return None
-    if not isinstance(mask, torch.Tensor):  # e.g. a flex-attention BlockMask
-        raise ValueError(
-            f"linear attention cannot read a {type(mask).__name__} attention mask; load the model with "
-            "attn_implementation='eager' or 'sdpa'"
-        )
-    if mask.dtype == torch.bool:
-        keep = mask
-    elif mask.dim() == 2 and not bool((mask < 0).any()):
-        keep = mask > 0  # 0/1 (or 0/positive) key-padding mask
-    else:  # additive
-        keep = mask > _ADDITIVE_DROP
-        if bool((keep & (mask != 0)).any()):  # neither keep (0) nor drop: a score bias
-            raise ValueError("the attention mask adds biases to the scores (e.g. a relative-position bias), not only "
-                             "key padding; linear attention cannot apply them")
+    keep = _kept(mask)
     if keep.dim() == 4:
         keep = keep[:, 0]  # the head axis is 1 (or repeats the same pattern)
     if keep.dim() == 3:
@@ -73,12 +79,37 @@ def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if bool(keep.all()) else keep
 
 
+def sliding_window_key_padding_mask(mask: torch.Tensor | None, half_window: int) -> torch.Tensor | None:
+    """The key-padding mask (bool [B, N], None: all real) inside a bidirectional sliding-window mask, which
+    keeps key j for query i where j is real and |i - j| <= half_window (transformers v5 hands ModernBERT's
+    local layers only this mask). Linear attention in a converted local layer attends to every real key, so
+    it needs the padding alone: the diagonal, as every token's own key lies inside its window. A [B, N]
+    padding mask (flash attention's, whose window is an argument) is read as such; a mask that is not
+    exactly window and padding is refused."""
+    if mask is None:
+        return None
+    keep = _kept(mask)
+    if keep.dim() == 2:
+        return key_padding_mask(keep)
+    keep = keep[:, 0] if keep.dim() == 4 else keep  # [B, N, N]: the head axis is 1
+    square = keep.dim() == 3 and keep.shape[-2] == keep.shape[-1]
+    real = keep.diagonal(dim1=-2, dim2=-1) if square else None
+    position = torch.arange(keep.shape[-1], device=keep.device)
+    window = (position[:, None] - position[None, :]).abs() <= half_window
+    if not square or not bool((keep == (window & real[:, None, :])).all()):
+        raise ValueError(f"this mask of a sliding-window layer is not a bidirectional window of {half_window} tokens "
+                         "each side over padded keys; linear attention cannot read it")
+    return None if bool(real.all()) else real
+
+
 class LinearizedAttention:
     """Marker mixin shared by every converted attention class."""
 
     linear_attn: LinearAttention
     patch_grid: PatchGrid | None = None
-    _original_forward_params: tuple[str, ...] = ()  # set per class by ``registry.linearized_class``
+    # Set per class by ``registry.linearized_class``: the class converted, and its forward's parameters.
+    _original_class: type
+    _original_forward_params: tuple[str, ...] = ()
 
     def _call_arguments(self, args: tuple, kwargs: dict) -> dict:
         """The call's arguments by name, whatever the library version passed positionally

@@ -21,6 +21,9 @@ class Adapter:
     matches: Callable[[nn.Module], bool]
     heads: Callable[[nn.Module], tuple[int, int, float]]  # (num_heads, head_dim, softmax scale)
     members: frozenset[str]  # the submodules its forward reads (dropouts aside); anything else is refused
+    # Sliding-window (local) attention: its banded mask is lost in linear attention, which attends to every
+    # key, so such a module is converted only on request (``convert(..., convert_local_layers=True)``).
+    local: Callable[[nn.Module], bool] = lambda module: False
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,8 @@ def linearized_class(base: type, mixin: type) -> type:
     key = (base, mixin)
     if key not in _LINEAR_CLASSES:
         _LINEAR_CLASSES[key] = type(f"Linear{base.__name__}", (mixin, base),
-                                    {"__module__": __package__, "_original_forward_params": forward_params(base)})
+                                    {"__module__": __package__, "_original_class": base,
+                                     "_original_forward_params": forward_params(base)})
     return _LINEAR_CLASSES[key]
 
 
