@@ -27,6 +27,7 @@ DEFAULTS: dict = {
     "columns": {"text": None, "text_pair": None, "label": None},  # own data: detected by name when None
     "method": "luna",
     "method_options": {},
+    "keep_softmax_layers": [],  # attention layers (0-based; negative from the end) left softmax: a hybrid
     "seed": 42,
     "output_dir": "outputs",
     "train": {
