@@ -335,3 +335,77 @@ def test_eval_heads_prints_the_per_layer_fit_and_refuses_an_unconverted_model(ti
     assert len(fit["layers"]) == 2 and fit["mean_kl"] == pytest.approx(results["head_fit"]["mean_kl"], abs=1e-4)
     out = CliRunner().invoke(app, ["eval", str(model_dir), "--task", "sst2", "--data-dir", str(data_dir), "--heads"])
     assert out.exit_code == 2 and "is not converted: --heads compares" in out.output
+
+
+# ----------------------------------------------------------------- logits distillation
+def test_logits_distillation_loss_is_the_class_kl_and_squared_error_for_one_output():
+    from scipy.stats import entropy
+
+    from luna_convert.ops.reference import logits_distillation_loss
+
+    torch.manual_seed(0)
+    teacher, student = torch.randn(4, 3), torch.randn(4, 3)
+    want = sum(entropy(torch.softmax(teacher[i], -1).numpy(), torch.softmax(student[i], -1).numpy())
+               for i in range(4)) / 4
+    assert logits_distillation_loss(teacher, student).item() == pytest.approx(want, rel=1e-5)  # float32: 1e-7
+    assert logits_distillation_loss(teacher, teacher).item() == pytest.approx(0.0, abs=1e-6)
+    one_t, one_s = torch.randn(5, 1), torch.randn(5, 1)
+    assert logits_distillation_loss(one_t, one_s).item() == pytest.approx(((one_t - one_s) ** 2).mean().item())
+
+
+def test_softmax_logits_of_a_converted_model_are_the_original_models():
+    from conftest import example_inputs, make_bert
+
+    from luna_convert import convert
+    from luna_convert.conversion import linear_attention_modules
+    from luna_convert.engine.training import softmax_logits
+
+    original, model = make_bert(), make_bert()
+    convert(model, "luna")  # with its DWC branch: the softmax pass must leave it out too
+    inputs = example_inputs("hf-bert")
+    with torch.no_grad():
+        want = original(**inputs).logits
+        linear = model(**inputs).logits
+    got = softmax_logits(model, linear_attention_modules(model), inputs)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # SDPA vs the original's attention: measured 6e-7
+    assert (linear - want).abs().max() > 1e-3
+    assert not any(layer.run_softmax for layer in linear_attention_modules(model))
+
+
+def test_run_distils_on_the_logits_when_asked(tiny_case, tmp_path):
+    model_dir, data_dir = tiny_case
+    config = config_for(model_dir, data_dir, "sst2", "hedgehog", tmp_path)
+    config["distill"]["target"] = "logits"
+    results = run_conversion(config)
+    log = [json.loads(line) for line in (Path(results["run_dir"]) / "train_log.jsonl").read_text().splitlines()]
+    distil = [e["loss"] for e in log if e["stage"] == "distill"]
+    assert len(distil) == 2 and all(0 <= x < 5 for x in distil)  # a KL between 2-class distributions: small
+    assert "after_distillation" in results["stage_scores"]
+    assert results["config"]["distill"]["target"] == "logits"
+
+
+def test_logits_distillation_trains_only_the_maps_and_lowers_the_kl():
+    from accelerate import Accelerator
+
+    from conftest import example_inputs, make_bert
+
+    from luna_convert import convert
+    from luna_convert.conversion import feature_map_parameters, linear_attention_modules
+    from luna_convert.engine.training import distill_attention, forward_logits, softmax_logits
+    from luna_convert.ops.reference import logits_distillation_loss
+
+    model = make_bert()
+    convert(model, "hedgehog")
+    batch = example_inputs("hf-bert")
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "phi_" not in n}
+
+    def kl() -> float:
+        with torch.no_grad():
+            return logits_distillation_loss(softmax_logits(model, linear_attention_modules(model), batch),
+                                            forward_logits(model, batch)).item()
+
+    before = kl()
+    distill_attention(Accelerator(cpu=True), model, [batch] * 30, steps=30, lr=1e-2, target="logits")
+    assert kl() < 0.5 * before  # measured: 0.0117 -> 0.00009 after 30 steps on this batch
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+    assert feature_map_parameters(model) and all(p.requires_grad for p in model.parameters())

@@ -201,7 +201,8 @@ def _validate_ranges(config: dict) -> None:
          "0 or more, or null (the method's default)"),
         ("distill.default_steps", d["default_steps"], is_int(d["default_steps"]) and d["default_steps"] >= 0, "0 or more"),
         ("distill.lr", d["lr"], is_num(d["lr"]) and d["lr"] > 0, "positive"),
-        ("distill.target", d["target"], d["target"] in ("attention", "output"), "attention or output"),
+        ("distill.target", d["target"], d["target"] in ("attention", "output", "logits"),
+         "attention, output or logits"),
         ("distill.batch_size", d["batch_size"], d["batch_size"] is None or is_int(d["batch_size"]) and d["batch_size"] >= 1,
          "a positive integer or null (train.batch_size)"),
     ]

@@ -55,7 +55,9 @@ DEFAULTS: dict = {
         "steps": None,  # None: the method's recipe (default_steps if it distils, else 0)
         "default_steps": 300,
         "lr": 1e-2,
-        "target": "attention",  # attention (row cross-entropy, N x N) | output (layer output MSE, linear in N)
+        # attention (row cross-entropy, N x N) | output (layer output MSE, linear in N) | logits (KL to the
+        # model's own logits under softmax attention; linear in N)
+        "target": "attention",
         "batch_size": None,  # default: train.batch_size
     },
 }
