@@ -140,6 +140,8 @@ def run(
     lr: Optional[float] = typer.Option(None, "--lr"),
     max_length: Optional[int] = typer.Option(None, "--max-length", help="Text: tokens per example."),
     distill_steps: Optional[int] = typer.Option(None, "--distill-steps", help="Attention-distillation steps (0: none)."),
+    keep_softmax_layers: Optional[str] = typer.Option(None, "--keep-softmax-layers", help="Comma-separated attention "
+                                                      "layers (0-based, negative from the end) left softmax: a hybrid."),
     seed: Optional[int] = typer.Option(None, "--seed"),
     mixed_precision: Optional[str] = typer.Option(None, "--mixed-precision", help="no, bf16 or fp16."),
     set_: List[str] = typer.Option([], "--set", help="Any recipe setting as key=value (repeatable), e.g. train.lr=3e-5."),
@@ -159,7 +161,8 @@ def run(
                  "--text-column": text_column, "--text-pair-column": text_pair_column, "--label-column": label_column,
                  "--metric": metric, "--max-steps": max_steps, "--epochs": epochs, "--batch-size": batch_size,
                  "--lr": lr, "--max-length": max_length, "--distill-steps": distill_steps, "--seed": seed,
-                 "--mixed-precision": mixed_precision, "--set": set_ or None, "--run-dir": run_dir,
+                 "--mixed-precision": mixed_precision, "--keep-softmax-layers": keep_softmax_layers,
+                 "--set": set_ or None, "--run-dir": run_dir,
                  "--overwrite": overwrite or None}
         if any(v is not None for v in given.values()):
             _guard(lambda: _resume_alone([k for k, v in given.items() if v is not None]))
@@ -170,7 +173,8 @@ def run(
                "train.batch_size": batch_size, "train.lr": lr, "train.max_length": max_length,
                "train.mixed_precision": mixed_precision, "distill.steps": distill_steps,
                "train_split": train_split, "metric": metric, "columns.text": text_column,
-               "columns.text_pair": text_pair_column, "columns.label": label_column}
+               "columns.text_pair": text_pair_column, "columns.label": label_column,
+               "keep_softmax_layers": _layer_list(keep_softmax_layers)}
 
         def build():
             overrides = _overrides(cli, set_)
@@ -254,13 +258,16 @@ def eval_(
     batch_size: int = typer.Option(64, "--batch-size"),
     max_examples: Optional[int] = typer.Option(None, "--max-examples"),
     json_out: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
+    heads: bool = typer.Option(False, "--heads", help="Converted model: also, per layer and head, the softmax "
+                               "attention's row entropy and the KL from it to the linear attention."),
 ) -> None:
     """Evaluate a saved model and print its metrics."""
     import json
 
     from .run.pipeline import evaluate_model
 
-    result = _guard(lambda: evaluate_model(path, task, data_dir, split, batch_size, max_examples=max_examples))
+    result = _guard(lambda: evaluate_model(path, task, data_dir, split, batch_size, max_examples=max_examples,
+                                           heads=heads))
     if not _is_main():
         return
     if json_out:
@@ -274,6 +281,27 @@ def eval_(
     for k, v in result["metrics"].items():
         table.add_row(k, f"{v:.4f}")
     console.print(table)
+    if heads:
+        _print_head_fit(result["head_fit"])
+
+
+def _print_head_fit(fit: dict) -> None:
+    from rich.table import Table
+
+    if not fit["layers"]:
+        console.print(f"no per-head fit: {fit.get('skipped', 'no converted layer was called')}")
+        return
+    table = Table(title=f"fit to softmax per layer ({fit['examples']} examples): row entropy of softmax, "
+                        f"KL(softmax || linear); mean KL {fit['mean_kl']:.4f}")
+    for name in ("layer", "mean entropy", "mean KL", "worst head", "its entropy", "its KL"):
+        table.add_column(name, justify="right")
+    for layer in fit["layers"]:
+        entropy, kl = layer["entropy"], layer["kl"]
+        worst = max(range(len(kl)), key=kl.__getitem__)
+        table.add_row(str(layer["layer"]), f"{sum(entropy) / len(entropy):.3f}", f"{sum(kl) / len(kl):.4f}",
+                      str(worst), f"{entropy[worst]:.3f}", f"{kl[worst]:.4f}")
+    console.print(table)
+    console.print("every head: `luna-convert eval ... --heads --json`", highlight=False)
 
 
 @app.command()
@@ -345,6 +373,8 @@ def compare(
     output_dir: Optional[str] = typer.Option(None, "--output-dir"),
     max_steps: Optional[int] = typer.Option(None, "--max-steps"),
     distill_steps: Optional[int] = typer.Option(None, "--distill-steps"),
+    keep_softmax_layers: Optional[str] = typer.Option(None, "--keep-softmax-layers",
+                                                      help="Comma-separated layers left softmax (every method)."),
     lr: Optional[float] = typer.Option(None, "--lr"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size"),
     max_length: Optional[int] = typer.Option(None, "--max-length"),
@@ -359,7 +389,8 @@ def compare(
     seed_list = _int_list(seeds, "--seeds")
     cli = {"model": model, "task": task, "data_dir": data_dir, "output_dir": output_dir,
            "train.max_steps": max_steps, "distill.steps": distill_steps, "train.lr": lr,
-           "train.batch_size": batch_size, "train.max_length": max_length}
+           "train.batch_size": batch_size, "train.max_length": max_length,
+           "keep_softmax_layers": _layer_list(keep_softmax_layers)}
 
     def build():
         config = apply_overrides(load_recipe(recipe), _overrides(cli, set_))
@@ -453,6 +484,10 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
     except ValueError:
         raise typer.BadParameter(f"expected comma-separated integers, e.g. 1024,4096; got {text!r}",
                                  param_hint=option) from None
+
+
+def _layer_list(text: str | None) -> list[int] | None:
+    return None if text is None else list(_int_list(text, "--keep-softmax-layers"))
 
 
 @app.command("attention-map")

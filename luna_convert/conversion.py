@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from torch import nn
 
@@ -48,6 +48,7 @@ class ConversionReport:
     options: dict
     modules: list[ReplacedModule]
     kept_local: list[str] = field(default_factory=list)  # sliding-window attention left softmax
+    kept_softmax: list[str] = field(default_factory=list)  # attention modules left softmax on request
 
     @property
     def params_added(self) -> int:
@@ -55,7 +56,8 @@ class ConversionReport:
 
     def to_dict(self) -> dict:
         return {"method": self.method, "options": self.options, "params_added": self.params_added,
-                "modules": [asdict(m) for m in self.modules], "kept_local": self.kept_local}
+                "modules": [asdict(m) for m in self.modules], "kept_local": self.kept_local,
+                "kept_softmax": self.kept_softmax}
 
     def __str__(self) -> str:
         lines = [f"{self.method}: replaced {len(self.modules)} attention modules, +{self.params_added:,} parameters"]
@@ -64,6 +66,7 @@ class ConversionReport:
         if self.kept_local:
             lines.append(f"  kept softmax: {len(self.kept_local)} sliding-window (local) attention modules "
                          "(convert_local_layers=True converts them too)")
+        lines += [f"  {name}: kept softmax" for name in self.kept_softmax]
         return "\n".join(lines)
 
 
@@ -90,12 +93,29 @@ def resolve_options(method: str, options: dict) -> dict:
                               ) from None
 
 
+def attention_layer_names(model: nn.Module) -> list[str]:
+    """The supported self-attention modules of ``model`` in module order: layer i is the i-th name."""
+    return [name for name, module in model.named_modules() if find_adapter(module) is not None]
+
+
+def softmax_layer_names(model: nn.Module, layers: Sequence[int]) -> set[str]:
+    """The attention modules that ``keep_softmax_layers`` (indices into ``attention_layer_names``,
+    negative from the end) names; an index out of range is a ConversionError."""
+    names = attention_layer_names(model)
+    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not -len(names) <= i < len(names)]
+    if bad:
+        raise ConversionError(f"keep_softmax_layers {bad} out of range: the model has {len(names)} attention layers, "
+                              f"numbered 0..{len(names) - 1} (negative counts from the end)")
+    return {names[i] for i in layers}
+
+
 def convert(
     model: nn.Module,
     method: str = "luna",
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     *,
     convert_local_layers: bool = False,
+    keep_softmax_layers: Sequence[int] = (),
     **options,
 ) -> ConversionReport:
     """Convert ``model`` in place; returns what was replaced.
@@ -103,19 +123,26 @@ def convert(
     ``filter_fn(module, name)`` restricts the targets (default: every supported
     self-attention). Sliding-window (local) attention, as in ModernBERT's local layers,
     stays softmax unless ``convert_local_layers``: linear attention attends to every key,
-    so a converted local layer no longer sees only its window. ``options`` override the
-    method's defaults (see ``luna_convert.METHODS[method].defaults`` or ``luna-convert methods --details``).
+    so a converted local layer no longer sees only its window. ``keep_softmax_layers``:
+    attention layers (0-based, in module order; negative from the end) left as softmax,
+    a hybrid model. ``options`` override the method's defaults (see
+    ``luna_convert.METHODS[method].defaults`` or ``luna-convert methods --details``).
     """
     if is_converted(model):
         raise ConversionError("this model is already converted to linear attention; convert the original checkpoint instead")
     resolved = resolve_options(method, options)
     grid = patch_grid(model)
     check_supported(model)
+    kept = softmax_layer_names(model, keep_softmax_layers)
 
     supported = [(name, module, adapter) for name, module in model.named_modules()
-                 if (adapter := find_adapter(module)) is not None and (filter_fn is None or filter_fn(module, name))]
+                 if (adapter := find_adapter(module)) is not None and name not in kept
+                 and (filter_fn is None or filter_fn(module, name))]
     kept_local = [] if convert_local_layers else [name for name, module, adapter in supported if adapter.local(module)]
     targets = [target for target in supported if target[0] not in kept_local]
+    if kept and not targets:
+        raise ConversionError(f"keep_softmax_layers keeps all {len(kept)} attention layers as softmax; leave at least "
+                              "one to convert")
     if kept_local and not targets:
         raise ConversionError(f"every attention module chosen in {type(model).__name__} is sliding-window (local) "
                               "attention, which stays softmax by default; pass convert_local_layers=True to convert it")
@@ -151,7 +178,7 @@ def convert(
                                        linear_attn.feature_dim, sum(p.numel() for p in linear_attn.parameters())))
 
     setattr(model, CONFIG_ATTR, ConversionConfig(method, resolved, [r.name for r in replaced], convert_local_layers))
-    return ConversionReport(method, resolved, replaced, kept_local)
+    return ConversionReport(method, resolved, replaced, kept_local, sorted(kept))
 
 
 def linear_attention_modules(model: nn.Module) -> list[LinearAttention]:

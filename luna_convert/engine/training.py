@@ -25,6 +25,7 @@ from ..conversion import feature_map_parameters, linear_attention_modules
 from ..errors import LunaConvertError
 from ..fileio import atomic_write_json
 from ..folder_layout import STATE_FILE
+from ..ops.reference import logits_distillation_loss
 
 
 
@@ -237,7 +238,8 @@ def distill_attention(
     target: str = "attention",
 ) -> StageResult:
     """Hedgehog stage 1: train only the feature maps so linear attention rows match softmax rows
-    (``target`` "attention"), or so each layer's output matches softmax's ("output").
+    (``target`` "attention"), so each layer's output matches softmax's ("output"), or so the model's
+    logits match those of the same model run with softmax attention ("logits").
 
     The model stays unwrapped (no DDP: most parameters are frozen); feature-map
     gradients are averaged across processes by hand before each update. The
@@ -253,9 +255,10 @@ def distill_attention(
         p.requires_grad_(id(p) in trainable)
     layers = linear_attention_modules(model)
     for layer in layers:
-        layer.distill, layer.distill_target = True, target
+        layer.distill, layer.distill_target = target != "logits", target
     optimizer = torch.optim.AdamW(params, lr=lr)
-    model.train()
+    # Logits: both passes without dropout, so the teacher's logits are the model's, not one dropout draw.
+    model.train(target != "logits")
     step, epoch, loss_value, t0 = 0, 0, None, time.perf_counter()
     bar, task = progress_bar(accelerator, "distil", steps)
     try:
@@ -264,8 +267,12 @@ def distill_attention(
                 for batch in _batches(loader, accelerator, 0, epoch):
                     batch = {k: v.to(accelerator.device) for k, v in batch.items()}
                     with accelerator.autocast():
-                        forward_logits(model, batch)
-                        loss = torch.stack([layer.distill_loss for layer in layers]).mean()
+                        if target == "logits":
+                            teacher = softmax_logits(model, layers, batch)
+                            loss = logits_distillation_loss(teacher, forward_logits(model, batch))
+                        else:
+                            forward_logits(model, batch)
+                            loss = torch.stack([layer.distill_loss for layer in layers]).mean()
                     _check_finite(loss, "distillation", step, accelerator, steps)
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
@@ -288,6 +295,18 @@ def distill_attention(
         for p, flag in saved_flags.items():
             p.requires_grad_(flag)
     return StageResult("distill", step, time.perf_counter() - t0, loss_value)
+
+
+def softmax_logits(model: nn.Module, layers: list, batch: dict) -> torch.Tensor:
+    """The logits of ``model`` with every converted layer run as exact softmax attention (no grad)."""
+    for layer in layers:
+        layer.run_softmax = True
+    try:
+        with torch.no_grad():
+            return forward_logits(model, batch)
+    finally:
+        for layer in layers:
+            layer.run_softmax = False
 
 
 def _load_latest(accelerator, run_dir: Path) -> None:

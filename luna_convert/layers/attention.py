@@ -95,6 +95,8 @@ class LinearAttention(nn.Module):
         # Hedgehog's cross-entropy; builds N x N) or "output" (the layer's output against softmax's, a
         # relative MSE; the teacher through SDPA, so memory stays linear in N).
         self.distill_target = "attention"
+        # Logits distillation's teacher pass: the layer is exact softmax attention (through SDPA).
+        self.run_softmax = False
         # On the CPU, long inputs stream tokens in chunks (ops.streamed) once the float32
         # features of all tokens would exceed stream_min_bytes: glibc maps buffers over
         # 32 MiB fresh from the OS on every call, and faulting their pages in cost as much
@@ -148,6 +150,8 @@ class LinearAttention(nn.Module):
 
     def forward(self, q, k, v, key_mask=None, grid=None, num_prefix: int = 0) -> torch.Tensor:
         """q, k, v: [B, H, N, d]; key_mask: bool [B, N] (True = real). Returns [B, H, N, d]."""
+        if self.run_softmax:
+            return softmax_attention(q, k, v, self.softmax_scale, key_mask)
         context = AttentionContext(key_mask, v.shape[2], num_prefix, grid)
         if self.distill and self.distill_target == "output":
             teacher_out = softmax_attention(q, k, v, self.softmax_scale, key_mask)

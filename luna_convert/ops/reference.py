@@ -75,3 +75,13 @@ def output_distillation_loss(teacher: torch.Tensor, student: torch.Tensor,
         rows = key_mask[:, None, :].expand_as(err)
         err, ref = err[rows], ref[rows]
     return err.sum() / ref.sum().clamp_min(1e-12)
+
+
+def logits_distillation_loss(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """The model-level target: KL(softmax(teacher) || softmax(student)) over the classes, mean over
+    examples (as RADLADS / Mamba-in-the-Llama distil); one output (regression): the squared error."""
+    teacher, student = teacher.float(), student.float()
+    if teacher.shape[-1] == 1:
+        return (student - teacher).pow(2).mean()
+    log_t, log_s = F.log_softmax(teacher, -1), F.log_softmax(student, -1)
+    return (log_t.exp() * (log_t - log_s)).sum(-1).mean()

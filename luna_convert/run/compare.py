@@ -50,6 +50,8 @@ def run_compare(config: dict, methods: list[str], seeds: list[int], folder: Path
                 cfg.update(method=method, seed=seed, run_dir=str(run_dir), overwrite=True)
                 if method != config.get("method"):
                     cfg["method_options"] = {}  # options are per method; --set method_options... is for --methods X
+                if method == CONTROL_METHOD:
+                    cfg["keep_softmax_layers"] = []  # the control converts nothing
                 say(f"[bold]{method}[/] seed {seed} -> {run_dir}")
                 results = run_conversion(cfg, console=console)
             runs.setdefault(method, []).append(results)
@@ -88,6 +90,8 @@ def summarise(method: str, results: list[dict]) -> dict:
     row["finetune_steps"] = results[0]["steps"]["finetune"]
     row["s_per_finetune_step"] = mean_std([r["timings"]["finetune_s"] / max(1, r["steps"]["finetune"])
                                            for r in results])
+    # Runs written before the per-head fit was recorded have none (`luna-convert eval RUN --heads` computes it).
+    row["attention_kl"] = mean_std([(r.get("head_fit") or {}).get("mean_kl") for r in results])
     return row
 
 
@@ -102,18 +106,20 @@ def _fmt(stat: dict, digits: int = 4) -> str:
 def markdown_table(summary: dict) -> str:
     metric = summary["rows"][0]["headline_metric"] if summary["rows"] else "score"
     head = (f"| method | teacher {metric} | right after conversion | after distillation | final | % recovered "
-            f"| % of control | distil + finetune steps | s / finetune step |")
-    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            f"| % of control | attention KL | distil + finetune steps | s / finetune step |")
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in summary["rows"]:
         control = "-" if row["pct_of_control"] is None else f"{row['pct_of_control']:.1f}"
         lines.append(
             f"| {row['method']} | {_fmt(row['teacher'])} | {_fmt(row['after_conversion'])} | "
             f"{_fmt(row['after_distillation'])} | {_fmt(row['final'])} | {_fmt(row['recovered_pct'], 1)} | {control} | "
-            f"{row['distill_steps']} + {row['finetune_steps']} | {_fmt(row['s_per_finetune_step'], 2)} |")
+            f"{_fmt(row['attention_kl'], 3)} | {row['distill_steps']} + {row['finetune_steps']} | {_fmt(row['s_per_finetune_step'], 2)} |")
     n = len(summary["seeds"])
     lines.append("")
     lines.append(f"{n} seed{'s' if n > 1 else ''} ({', '.join(map(str, summary['seeds']))}); mean ± sample std where "
-                 "several. % of control: final / the softmax control's final score.")
+                 "several. % of control: final / the softmax control's final score. attention KL: "
+                 "KL(softmax || linear) per attention row, mean over heads, after training (the per-head table: "
+                 "`luna-convert eval RUN --heads`).")
     return "\n".join(lines)
 
 

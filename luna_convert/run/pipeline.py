@@ -23,6 +23,7 @@ from .recipes import with_defaults
 from .model_card import write_model_card
 from .plots import write_curves
 from ..serialization import library_versions, save
+from ..engine.head_fit import head_fit
 from ..engine.training import distill_attention, finetune, read_trainer_state
 from ..tasks import get_task
 from .models import check_model_folder, example_inputs, load_model
@@ -157,6 +158,11 @@ def validate(config: dict) -> None:
             raise LunaConvertError(f"train.{key} must be a positive integer, got {t[key]!r}")
     if not (t["lr"] > 0):
         raise LunaConvertError(f"train.lr must be positive, got {t['lr']!r}")
+    kept = config["keep_softmax_layers"]
+    if not isinstance(kept, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in kept):
+        raise LunaConvertError(f"keep_softmax_layers must be a list of layer indices, e.g. [0, 5], got {kept!r}")
+    if kept and config["method"] == CONTROL_METHOD:
+        raise LunaConvertError("keep_softmax_layers needs a linear method; the softmax control converts nothing")
     if t["mixed_precision"] not in ("no", "bf16", "fp16"):
         raise LunaConvertError(f"train.mixed_precision must be no, bf16 or fp16, got {t['mixed_precision']!r}")
     _validate_ranges(config)
@@ -195,7 +201,8 @@ def _validate_ranges(config: dict) -> None:
          "0 or more, or null (the method's default)"),
         ("distill.default_steps", d["default_steps"], is_int(d["default_steps"]) and d["default_steps"] >= 0, "0 or more"),
         ("distill.lr", d["lr"], is_num(d["lr"]) and d["lr"] > 0, "positive"),
-        ("distill.target", d["target"], d["target"] in ("attention", "output"), "attention or output"),
+        ("distill.target", d["target"], d["target"] in ("attention", "output", "logits"),
+         "attention, output or logits"),
         ("distill.batch_size", d["batch_size"], d["batch_size"] is None or is_int(d["batch_size"]) and d["batch_size"] >= 1,
          "a positive integer or null (train.batch_size)"),
     ]
@@ -279,7 +286,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         raise LunaConvertError(f"{config['model']} is already converted to linear attention; start from the original")
     control = config["method"] == CONTROL_METHOD
     if not control:
-        _check_convertible(loaded.model, config["method"], config["method_options"])
+        _check_convertible(loaded.model, config["method"], config["method_options"], config["keep_softmax_layers"])
     data = TaskData(config, loaded, task)
     eval_loaders = data.eval_loaders()
     train_loader = data.train_loader()  # read before the run folder appears: bad train data fails first
@@ -321,10 +328,12 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         report = None
         say("control run: the original softmax model is finetuned with the same budget, unconverted")
     else:
-        report = convert(model, config["method"], **config["method_options"])
+        report = convert(model, config["method"], keep_softmax_layers=config["keep_softmax_layers"],
+                         **config["method_options"])
         model.to(accelerator.device)
+        kept = f"; {len(report.kept_softmax)} kept softmax" if report.kept_softmax else ""
         say(f"converted {len(report.modules)} attention modules to {config['method']} "
-            f"(+{report.params_added:,} parameters)")
+            f"(+{report.params_added:,} parameters){kept}")
     stage_scores = _read_json(run_dir / STAGES_FILE, "stage scores") if (run_dir / STAGES_FILE).is_file() else {}
 
     def score_stage(name: str) -> None:
@@ -379,6 +388,9 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     t0 = time.perf_counter()
     metrics, counted = score(accelerator, model, eval_loaders, task)
     timings["eval_s"] = time.perf_counter() - t0
+    # Which heads the kernel follows (per head: softmax entropy, KL to the linear rows).
+    fit = None if control else head_fit(accelerator.unwrap_model(model), next(iter(eval_loaders.values())),
+                                        device=accelerator.device)
     timings["total_s"] = time.perf_counter() - t_start
     teacher_score, converted_score = teacher["metrics"][headline], metrics[headline]
     results = {
@@ -388,6 +400,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         "converted_score": converted_score,
         "recovered_pct": recovered_pct(converted_score, teacher_score, headline),
         "stage_scores": {**stage_scores, "final": converted_score},
+        "head_fit": fit,
         "method_recipe": method_recipe,
         "teacher_metrics": teacher["metrics"], "converted_metrics": metrics,
         "eval_examples": counted, "truncated_examples": data.truncated, "truncated_by_split": data.truncated_by_split,
@@ -412,7 +425,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     return results
 
 
-def _check_convertible(model, method: str, options: dict) -> None:
+def _check_convertible(model, method: str, options: dict, keep_softmax_layers: list[int] = ()) -> None:
     """Dry-run the conversion on the model as the run will use it, so that a model without supported
     attention, attention that cannot be converted faithfully, or bad method options fail before the
     run folder is written: a copy of the model that shares its weights (only the module structure is
@@ -431,7 +444,8 @@ def _check_convertible(model, method: str, options: dict) -> None:
         return name == chosen[0]
 
     with torch.random.fork_rng(devices=[]):  # the run's seeded RNG stream stays as it is
-        convert(probe, method, filter_fn=first_only, **options)  # raises the explanatory ConversionError
+        # raises the explanatory ConversionError
+        convert(probe, method, filter_fn=first_only, keep_softmax_layers=keep_softmax_layers, **options)
         args, kwargs = example_inputs(probe)
         try:
             with torch.no_grad():
@@ -458,8 +472,9 @@ def _logger(accelerator, run_dir: Path):
 # ----------------------------------------------------------------------- eval
 def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | None = None,
                    split: str | None = None, batch_size: int = 64, max_length: int | None = None,
-                   max_examples: int | None = None) -> dict:
-    """Metrics of a saved converted model, a run folder, or an original checkpoint."""
+                   max_examples: int | None = None, heads: bool = False) -> dict:
+    """Metrics of a saved converted model, a run folder, or an original checkpoint; ``heads``: also
+    the per-head fit of the linear attention to softmax (``engine.head_fit``)."""
     from accelerate import Accelerator
 
     path = Path(path)
@@ -492,9 +507,16 @@ def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | No
     }
     config["train"]["max_length"] = max_length or config["train"].get("max_length", 128)
     loaded = load_model(source, task.num_labels)
+    if heads and not is_converted(loaded.model):
+        raise LunaConvertError(f"{source} is not converted: --heads compares a converted model's linear attention "
+                               "with softmax; pass a run folder or a converted model")
     accelerator = Accelerator()
     loaded.model.to(accelerator.device)
-    metrics, counted = score(accelerator, loaded.model, TaskData(config, loaded, task).eval_loaders(), task)
+    eval_loaders = TaskData(config, loaded, task).eval_loaders()
+    metrics, counted = score(accelerator, loaded.model, eval_loaders, task)
+    result = {"model": source, "task": task.name, "metrics": metrics, "eval_examples": counted,
+              "converted": is_converted(loaded.model)}
+    if heads:
+        result["head_fit"] = head_fit(loaded.model, next(iter(eval_loaders.values())), device=accelerator.device)
     accelerator.end_training()
-    return {"model": source, "task": task.name, "metrics": metrics, "eval_examples": counted,
-            "converted": is_converted(loaded.model)}
+    return result

@@ -27,6 +27,7 @@ DEFAULTS: dict = {
     "columns": {"text": None, "text_pair": None, "label": None},  # own data: detected by name when None
     "method": "luna",
     "method_options": {},
+    "keep_softmax_layers": [],  # attention layers (0-based; negative from the end) left softmax: a hybrid
     "seed": 42,
     "output_dir": "outputs",
     "train": {
@@ -54,7 +55,9 @@ DEFAULTS: dict = {
         "steps": None,  # None: the method's recipe (default_steps if it distils, else 0)
         "default_steps": 300,
         "lr": 1e-2,
-        "target": "attention",  # attention (row cross-entropy, N x N) | output (layer output MSE, linear in N)
+        # attention (row cross-entropy, N x N) | output (layer output MSE, linear in N) | logits (KL to the
+        # model's own logits under softmax attention; linear in N)
+        "target": "attention",
         "batch_size": None,  # default: train.batch_size
     },
 }

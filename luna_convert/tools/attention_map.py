@@ -34,6 +34,7 @@ from ..folder_layout import CONFIG_FILE, CONVERSION_FILE, MODEL_DIR
 from ..adapters import vision_grid
 from ..conversion import CONFIG_ATTR, convert, is_converted, linear_attention_modules
 from ..data import image_transform
+from ..engine.head_fit import captured_inputs
 from ..engine.training import forward_logits
 from ..fileio import atomic_write_bytes
 from ..ops.reference import softmax_attention_weights
@@ -89,18 +90,10 @@ def capture_qk(model, forward, layer: int = -1) -> dict:
     import torch
 
     layers, index = _layer(model, layer)
-    module, seen = layers[index], {}
-
-    def hook(_module, args, kwargs):
-        call = {**dict(zip(("q", "k", "v", "key_mask"), args)), **kwargs}
-        seen.update(q=call["q"].detach(), k=call["k"].detach(), key_mask=call.get("key_mask"))
-
-    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            forward()
-    finally:
-        handle.remove()
+    module = layers[index]
+    with captured_inputs([module]) as calls, torch.no_grad():
+        forward()
+    seen = {name: calls[0][-1][name] for name in ("q", "k", "key_mask")} if calls[0] else {}  # the last call
     if not seen:
         raise LunaConvertError("the chosen attention layer was not called by the forward pass")
     return {"module": module, "index": index, "num_layers": len(layers), **seen}
