@@ -409,3 +409,13 @@ def test_logits_distillation_trains_only_the_maps_and_lowers_the_kl():
     assert kl() < 0.5 * before  # measured: 0.0117 -> 0.00009 after 30 steps on this batch
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
     assert feature_map_parameters(model) and all(p.requires_grad for p in model.parameters())
+
+
+def test_a_method_without_parameters_skips_distillation_and_says_so(tiny_case, tmp_path):
+    model_dir, data_dir = tiny_case
+    config = config_for(model_dir, data_dir, "sst2", "elu", tmp_path)
+    config["distill"]["steps"] = 2  # as a compare recipe gives every method
+    lines = []
+    results = run_conversion(config, console=type("Console", (), {"print": lambda self, *a, **k: lines.append(str(a[0]))})())
+    assert results["steps"]["distill"] == 0 and "after_distillation" not in results["stage_scores"]
+    assert any("no trainable feature map: its 2 distillation steps are skipped" in line for line in lines)

@@ -12,7 +12,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .autoconfig import needs_resolution, resolve_own_data, task_for
-from ..conversion import convert, is_converted
+from ..conversion import convert, feature_map_parameters, is_converted
 from ..errors import ConversionError, LunaConvertError
 from ..fileio import atomic_write_json, atomic_write_text
 from ..folder_layout import (CONFIG_FILE, CONVERSION_FILE, CURVES_FILE, DISTILLED_DIR, LOG_FILE, MODEL_CARD_FILE,
@@ -334,6 +334,10 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         kept = f"; {len(report.kept_softmax)} kept softmax" if report.kept_softmax else ""
         say(f"converted {len(report.modules)} attention modules to {config['method']} "
             f"(+{report.params_added:,} parameters){kept}")
+        if n_distill and not feature_map_parameters(model):
+            # Same budget for every method (compare): a map without parameters has nothing to distil.
+            say(f"{config['method']} has no trainable feature map: its {n_distill} distillation steps are skipped")
+            n_distill = 0
     stage_scores = _read_json(run_dir / STAGES_FILE, "stage scores") if (run_dir / STAGES_FILE).is_file() else {}
 
     def score_stage(name: str) -> None:
