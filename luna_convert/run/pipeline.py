@@ -24,6 +24,7 @@ from .model_card import write_model_card
 from .plots import write_curves
 from ..serialization import library_versions, save
 from ..engine.head_fit import head_fit
+from ..engine.lora import add_lora, check_peft_available, merge_lora
 from ..engine.training import distill_attention, finetune, read_trainer_state
 from ..tasks import get_task
 from .models import check_model_folder, example_inputs, load_model
@@ -206,12 +207,21 @@ def _validate_ranges(config: dict) -> None:
         ("distill.batch_size", d["batch_size"], d["batch_size"] is None or is_int(d["batch_size"]) and d["batch_size"] >= 1,
          "a positive integer or null (train.batch_size)"),
     ]
+    lora = config["lora"]
+    checks += [
+        ("lora.rank", lora["rank"], is_int(lora["rank"]) and lora["rank"] >= 0, "0 (off) or a positive integer"),
+        ("lora.alpha", lora["alpha"], lora["alpha"] is None or is_num(lora["alpha"]) and lora["alpha"] > 0,
+         "positive, or null (2 x rank)"),
+        ("lora.dropout", lora["dropout"], is_num(lora["dropout"]) and 0 <= lora["dropout"] < 1, "a fraction in [0, 1)"),
+    ]
     for key in ("max_train_examples", "max_eval_examples"):
         checks.append((f"train.{key}", t[key], t[key] is None or is_int(t[key]) and t[key] >= 1,
                        "a positive integer or null (all)"))
     for key, value, ok, what in checks:
         if not ok:
             raise LunaConvertError(f"{key} must be {what}, got {value!r}; fix it with --set {key}=...")
+    if lora["rank"]:
+        check_peft_available()
 
 
 def apply_method_recipe(config: dict) -> dict:
@@ -379,6 +389,11 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     t = config["train"]
     total = steps_for(config, train_loader, accelerator)
     start = state["step"] if state and state["stage"] == "finetune" else 0
+    lora = None
+    if config["lora"]["rank"]:
+        lora = add_lora(model, **config["lora"])
+        say(f"LoRA rank {lora.rank} on {lora.adapted_layers} linear layers: {lora.trainable_params:,} of "
+            f"{lora.total_params:,} parameters train (adapters, the task head, what conversion added)")
     say(f"finetuning on the task for {total} steps" + (f" (from step {start})" if start else ""))
     set_seed(config["seed"] + 1)
     model, stage = finetune(accelerator, model, train_loader, steps=total, lr=t["lr"], weight_decay=t["weight_decay"],
@@ -395,6 +410,8 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     # Which heads the kernel follows (per head: softmax entropy, KL to the linear rows).
     fit = None if control else head_fit(accelerator.unwrap_model(model), next(iter(eval_loaders.values())),
                                         device=accelerator.device)
+    if lora is not None:  # the saved model is the plain architecture, adapters folded into its weights
+        merge_lora(accelerator.unwrap_model(model))
     timings["total_s"] = time.perf_counter() - t_start
     teacher_score, converted_score = teacher["metrics"][headline], metrics[headline]
     results = {
@@ -405,6 +422,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         "recovered_pct": recovered_pct(converted_score, teacher_score, headline),
         "stage_scores": {**stage_scores, "final": converted_score},
         "head_fit": fit,
+        "lora": lora.to_dict() if lora is not None else None,
         "method_recipe": method_recipe,
         "teacher_metrics": teacher["metrics"], "converted_metrics": metrics,
         "eval_examples": counted, "truncated_examples": data.truncated, "truncated_by_split": data.truncated_by_split,

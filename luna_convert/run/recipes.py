@@ -51,6 +51,9 @@ DEFAULTS: dict = {
         "max_eval_examples": None,
         "score_stages": True,  # also score right after conversion and after distillation
     },
+    # LoRA second stage (peft): adapters of this rank on the pretrained linear layers, the rest of the
+    # pretrained weights frozen except the task head; what conversion added trains in full. 0: off.
+    "lora": {"rank": 0, "alpha": None, "dropout": 0.0},  # alpha null: 2 x rank
     "distill": {
         "steps": None,  # None: the method's recipe (default_steps if it distils, else 0)
         "default_steps": 300,
