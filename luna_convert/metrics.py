@@ -1,4 +1,5 @@
-"""Task metrics computed with scikit-learn / scipy, keyed like the `evaluate` GLUE metric.
+"""Task metrics computed with scikit-learn / scipy, keyed like the `evaluate` GLUE metric; entity-level
+F1 for token tasks (NER) computed here as conlleval / seqeval's default mode does.
 
 All values are floats on a 0..1 scale (correlations in -1..1), never percent. Degenerate
 inputs (constant predictions, fewer than two examples) give 0.0 for correlations, not NaN.
@@ -11,9 +12,10 @@ import warnings
 import numpy as np
 
 from .errors import LunaConvertError
-from .tasks import TaskSpec, get_task
+from .tasks import IGNORE_INDEX, TaskSpec, get_task
 
-__all__ = ["compute_metrics", "headline_metric", "metric_names", "recovered_pct", "LOWER_IS_BETTER"]
+__all__ = ["compute_metrics", "headline_metric", "metric_names", "recovered_pct", "LOWER_IS_BETTER",
+           "entity_spans", "split_tag", "TOKEN_METRICS"]
 
 # Error metrics: a smaller value is a better model.
 LOWER_IS_BETTER = frozenset({"mse"})
@@ -29,6 +31,8 @@ _GLUE_KEYS: dict[str, tuple[str, ...]] = {
     "qnli": ("accuracy",),
     "rte": ("accuracy",),
 }
+TOKEN_METRICS = ("entity_f1", "entity_precision", "entity_recall", "token_accuracy")
+ENTITY_PREFIXES = ("B", "I", "E", "S")  # IOB1 / IOB2 (BIO) / IOBES chunk tags, as conlleval reads them
 
 
 def headline_metric(task: TaskSpec | str) -> str:
@@ -47,6 +51,8 @@ def recovered_pct(converted: float, teacher: float, metric: str) -> float | None
 def metric_names(task: TaskSpec | str, num_classes: int | None = None) -> tuple[str, ...]:
     """Keys that :func:`compute_metrics` returns for ``task``."""
     task = get_task(task)
+    if task.is_token_level:
+        return TOKEN_METRICS
     if task.name in _GLUE_KEYS:
         return _GLUE_KEYS[task.name]
     if task.kind == "image":
@@ -87,16 +93,83 @@ def _class_predictions(task: TaskSpec, predictions: np.ndarray) -> np.ndarray:
     )
 
 
+def split_tag(tag: str) -> tuple[str, str]:
+    """(chunk prefix, entity type) of a tag: "B-PER" -> ("B", "PER"), "O" -> ("O", "")."""
+    if tag == "O":
+        return "O", ""
+    prefix, sep, kind = tag.partition("-")
+    if not sep or prefix not in ENTITY_PREFIXES or not kind:
+        raise LunaConvertError(f"tag {tag!r} is not O or B-/I-/E-/S-<type>; entity F1 reads BIO (IOB2), IOB1 or "
+                               "IOBES tags: name the model's labels that way in its config.json id2label")
+    return prefix, kind
+
+
+def entity_spans(tags) -> set[tuple[str, int, int]]:
+    """The entities ``(type, start, end)`` (end inclusive) in one sentence's tags, by conlleval's rules:
+    an entity starts at B- (or S-), at I-/E- after O, after an entity's end or after another type;
+    it ends before O, B-, S- or another type, and after E- or S-."""
+    spans: set[tuple[str, int, int]] = set()
+    start, prev_prefix, prev_kind = None, "O", ""
+    for i, tag in enumerate(list(tags) + ["O"]):  # a final O closes the last entity
+        prefix, kind = split_tag(tag)
+        ends = prev_prefix in ("E", "S") or (prev_prefix in ("B", "I") and prefix in ("B", "S", "O")) or (
+            prev_prefix != "O" and kind != prev_kind)
+        if start is not None and ends:
+            spans.add((prev_kind, start, i - 1))
+            start = None
+        begins = prefix in ("B", "S") or (prefix in ("I", "E") and (prev_prefix in ("E", "S", "O") or kind != prev_kind))
+        if begins:
+            start = i
+        prev_prefix, prev_kind = prefix, kind
+    return spans
+
+
+def _token_metrics(task: TaskSpec, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """Entity-level micro precision / recall / F1 over the labelled positions of each sentence (a word's
+    first sub-token), and the accuracy of those positions' tags."""
+    if labels.ndim != 2:
+        raise LunaConvertError(f"labels for token task {task.name!r} have shape {tuple(labels.shape)}; expected [N, S]")
+    if predictions.ndim == 3:
+        predictions = predictions.argmax(axis=-1)
+    if predictions.shape != labels.shape:
+        raise LunaConvertError(f"predictions for token task {task.name!r} have shape {tuple(predictions.shape)}; "
+                               f"expected logits [N, S, C] or tag ids [N, S] matching the labels {tuple(labels.shape)}")
+    names = task.label_names
+    if not names:
+        raise LunaConvertError(f"task {task.name!r} has no tag names to find entities with; the model's id2label "
+                               "must name its tags (O, B-PER, ...)")
+    labels, predictions = labels.astype(np.int64), predictions.astype(np.int64)
+    keep = labels != IGNORE_INDEX
+    if not keep.any():
+        raise LunaConvertError(f"no labelled tokens to score for task {task.name!r}; check the evaluation split")
+    correct = predicted = gold = 0
+    for row_labels, row_preds, row_keep in zip(labels, predictions, keep):
+        gold_spans = entity_spans([names[i] for i in row_labels[row_keep]])
+        pred_spans = entity_spans([names[i] for i in row_preds[row_keep]])
+        correct += len(gold_spans & pred_spans)
+        predicted += len(pred_spans)
+        gold += len(gold_spans)
+    precision = correct / predicted if predicted else 0.0
+    recall = correct / gold if gold else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return {"entity_f1": f1, "entity_precision": precision, "entity_recall": recall,
+            "token_accuracy": float(np.mean(predictions[keep] == labels[keep]))}
+
+
 def compute_metrics(task: TaskSpec | str, predictions, labels) -> dict[str, float]:
     """Scores of ``predictions`` against ``labels`` for ``task``.
 
     ``predictions``: logits ``[N, C]`` (argmax taken here) or class ids ``[N]`` for classification;
-    scores ``[N]`` or ``[N, 1]`` for regression. Classification labels below 0 (GLUE test
-    splits use -1, PyTorch ignores -100) are left out.
+    scores ``[N]`` or ``[N, 1]`` for regression; logits ``[N, S, C]`` or tag ids ``[N, S]`` for token
+    tasks (labels ``[N, S]``, ``IGNORE_INDEX`` where nothing is scored; tag names from
+    ``task.label_names``). Classification labels below 0 (GLUE test splits use -1, PyTorch ignores
+    -100) are left out.
     """
     task = get_task(task)
     predictions = np.asarray(predictions)
     labels = np.asarray(labels)
+    if task.is_token_level:
+        return _token_metrics(task, predictions, labels)
     n = predictions.shape[0] if predictions.ndim else 0
     if labels.ndim != 1 and not (labels.ndim == 2 and labels.shape[1] == 1):
         raise LunaConvertError(f"labels for task {task.name!r} have shape {tuple(labels.shape)}; expected [N]")

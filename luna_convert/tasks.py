@@ -8,7 +8,11 @@ from dataclasses import dataclass
 
 from .errors import unknown_name
 
-__all__ = ["TaskSpec", "TASKS", "TASK_ALIASES", "get_task", "GLUE_TASKS", "IMAGE_TASKS"]
+__all__ = ["TaskSpec", "TASKS", "TASK_ALIASES", "get_task", "GLUE_TASKS", "IMAGE_TASKS", "IGNORE_INDEX"]
+
+# The label of positions that neither the loss nor the metrics count (sub-tokens after a word's first,
+# special tokens, padding): PyTorch's cross_entropy ignores it by default.
+IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
@@ -16,7 +20,9 @@ class TaskSpec:
     """What a task's data looks like and how it is scored.
 
     ``num_labels`` 1 means regression; ``None`` means "take it from the data or the model".
-    ``label_names`` are the class names in index order (GLUE's order for GLUE tasks).
+    ``label_names`` are the class names in index order (GLUE's order for GLUE tasks; a token task's
+    tags come from the model's id2label). ``level`` "token" labels every word of a text (NER) instead
+    of the whole text ("sequence").
     """
 
     name: str
@@ -32,6 +38,11 @@ class TaskSpec:
     # Extra (not needed by callers): folder name of the task in the original GLUE download
     # ("SST-2", "MNLI", ...), used to accept a GLUE root folder as --data-dir.
     glue_dir: str | None = None
+    level: str = "sequence"  # "sequence" or "token"
+
+    @property
+    def is_token_level(self) -> bool:
+        return self.level == "token"
 
     @property
     def is_regression(self) -> bool:
@@ -85,6 +96,8 @@ _ALL: tuple[TaskSpec, ...] = (
     TaskSpec("text-regression", "text", ("sentence",), num_labels=1, headline="pearson"),
     TaskSpec("text-pair-regression", "text", ("sentence1", "sentence2"), num_labels=1, headline="pearson"),
     TaskSpec("image-classification", "image"),
+    # token classification (named entities): CoNLL-style words and tags, entity-level F1
+    TaskSpec("ner", "text", ("tokens",), label_column="ner_tags", headline="entity_f1", level="token"),
 )
 
 TASKS: dict[str, TaskSpec] = {t.name: t for t in _ALL}
@@ -108,6 +121,8 @@ TASK_ALIASES: dict[str, str] = {
     "text_regression": "text-regression",
     "text_pair_regression": "text-pair-regression",
     "image_classification": "image-classification",
+    "token-classification": "ner",
+    "token_classification": "ner",
 }
 
 

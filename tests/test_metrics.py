@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -90,8 +91,11 @@ def test_headline_is_among_computed_keys():
     rng = np.random.default_rng(0)
     for name, spec in TASKS.items():
         n_cls = spec.num_labels or 3
-        labels = rng.random(20) * 5 if spec.is_regression else rng.integers(0, n_cls, 20)
-        preds = rng.random(20) * 5 if spec.is_regression else rng.normal(size=(20, n_cls))
+        shape = (20, 6) if spec.is_token_level else (20,)  # token tasks: a label a token
+        if spec.is_token_level:  # tag names come from the model
+            spec = dataclasses.replace(spec, label_names=("O", "B-X", "I-X"))
+        labels = rng.random(20) * 5 if spec.is_regression else rng.integers(0, n_cls, shape)
+        preds = rng.random(20) * 5 if spec.is_regression else rng.normal(size=(*shape, n_cls))
         out = compute_metrics(spec, preds, labels)
         assert headline_metric(spec) in out, name
         assert set(out) == set(metric_names(spec, n_cls)), name

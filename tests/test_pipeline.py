@@ -34,30 +34,34 @@ def write_sst2(folder: Path, n_train: int = 48, n_dev: int = 20) -> Path:
     return folder
 
 
-def write_bert_checkpoint(folder: Path, num_labels: int = 2, arch: str = "bert") -> Path:
-    """A tiny BERT (or, with arch="distilbert", DistilBERT) classifier with its tokenizer, saved like a hub checkpoint."""
+def write_bert_checkpoint(folder: Path, num_labels: int = 2, arch: str = "bert", head: str = "Sequence",
+                          words=WORDS, id2label: dict | None = None) -> Path:
+    """A tiny BERT (or, with arch="distilbert", DistilBERT) classifier with its tokenizer (vocabulary: the
+    special tokens and ``words``), saved like a hub checkpoint; ``head`` "Token" makes a token classifier."""
     import transformers
 
     prefix = {"bert": "Bert", "distilbert": "DistilBert"}[arch]
     tokenizer_class = transformers.BertTokenizerFast  # DistilBERT checkpoints use the same WordPiece vocabulary
     folder.mkdir(parents=True, exist_ok=True)
     vocab = folder / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
     # transformers 5 takes the vocabulary as `vocab` (and silently ignores `vocab_file`, leaving a
     # 5-token tokenizer that maps every word to [UNK]); v4 takes `vocab_file`.
     import inspect
 
     key = "vocab" if "vocab" in inspect.signature(tokenizer_class.__init__).parameters else "vocab_file"
     tokenizer = tokenizer_class(**{key: str(vocab)})
-    assert len(tokenizer) == len(WORDS) + 5, "the tiny tokenizer lost its vocabulary"
+    assert len(tokenizer) == len(words) + 5, "the tiny tokenizer lost its vocabulary"
     torch.manual_seed(0)
-    sizes = {"vocab_size": len(WORDS) + 5, "max_position_embeddings": 64, "num_labels": num_labels}
+    sizes = {"vocab_size": len(words) + 5, "max_position_embeddings": 64, "num_labels": num_labels}
+    if id2label is not None:
+        sizes.update(num_labels=len(id2label), id2label=id2label, label2id={v: k for k, v in id2label.items()})
     if arch == "bert":
         config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                          intermediate_size=64, **sizes)
     else:
         config = transformers.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=64, **sizes)
-    getattr(transformers, f"{prefix}ForSequenceClassification")(config).save_pretrained(folder)
+    getattr(transformers, f"{prefix}For{head}Classification")(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

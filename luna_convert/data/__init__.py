@@ -1,9 +1,10 @@
-"""Loading task data (GLUE TSV / CSV / JSON lines / parquet / the hub cache / ImageFolder /
+"""Loading task data (GLUE TSV / CSV / JSON lines / parquet / CoNLL / the hub cache / ImageFolder /
 scikit-learn digits) and turning it into deterministic PyTorch DataLoaders.
 
 One concern a module: ``splits`` (split names, subsets), ``labels`` (label values, class names,
 :func:`align_labels`), ``tables`` (local table files), ``glue`` (GLUE TSV files and the hub's GLUE),
-``images`` (image datasets), ``hub`` (hub datasets and save_to_disk folders), ``loading``
+``conll`` (word-level tagged data for token tasks: CoNLL files, word and tag lists), ``images`` (image
+datasets), ``hub`` (hub datasets and save_to_disk folders), ``loading``
 (:func:`load_split`), ``text_loader`` and ``image_loader`` (DataLoaders). Imports run one way, in
 that order.
 
@@ -16,16 +17,19 @@ from __future__ import annotations
 from .hub import datasets_source, datasets_split_name, load_datasets_dict
 from .image_loader import image_transform, make_image_dataloader
 from .images import DigitsDataset, ImageFolderDataset
-from .labels import align_labels, model_label_names, normalize_label_name
+from .labels import align_labels, model_label_names, normalize_label_name, short_list, token_label_names
 from .loading import load_split
 from .splits import canonical_split
 from .tables import TABLE_EXTENSIONS, find_split_file, read_table
-from .text_loader import make_text_dataloader
+from .text_loader import align_word_labels, make_text_dataloader
 
 __all__ = [
     "load_split",
     "align_labels",
     "make_text_dataloader",
+    "align_word_labels",
+    "token_label_names",
+    "short_list",
     "image_transform",
     "make_image_dataloader",
     "ImageFolderDataset",

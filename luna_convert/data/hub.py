@@ -8,6 +8,7 @@ from typing import Any
 
 from ..errors import LunaConvertError
 from ..tasks import TaskSpec
+from .conll import datasets_token_split
 from .images import DatasetsImageDataset
 from .labels import int_or_none, is_missing
 from .splits import SPLIT_STEMS, canonical_split, subset_indices
@@ -125,5 +126,7 @@ def load_datasets_split(task: TaskSpec, split: str, data_dir, max_examples: int 
         return out.subset(idx) if idx is not None else out
     if idx is not None:
         ds = ds.select(idx)
+    if task.is_token_level:
+        return datasets_token_split(ds, where)
     cols = {c: list(ds[c]) for c, f in ds.features.items() if isinstance(f, (datasets.Value, datasets.ClassLabel))}
     return columns_to_dataset(task, cols, where, split)

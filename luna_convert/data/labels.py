@@ -1,5 +1,5 @@
 """Label values and class names: parsing raw labels, matching class names, and aligning a
-dataset's label ids with the model's classes (:func:`align_labels`)."""
+dataset's label ids (a token task's tags) with the model's classes (:func:`align_labels`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 from typing import Any, Sequence
 
 from ..errors import LunaConvertError
+from ..metrics import split_tag
 from ..tasks import TaskSpec, get_task
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,47 @@ def model_label_names(id2label: dict | None, num_labels: int) -> list[str] | Non
     return None if generic else ordered
 
 
+def token_label_names(id2label: dict | None, num_labels: int) -> tuple[str, ...]:
+    """A token-classification model's tags in id order (its id2label), each O or B-/I-/E-/S-<type>."""
+    names = model_label_names(id2label, num_labels)
+    if names is None:
+        raise LunaConvertError("the model's id2label has only generic names (LABEL_0, ...), so the data's tags cannot "
+                               "be matched to its outputs nor entities found; name its tags in its config.json "
+                               'id2label, e.g. {"0": "O", "1": "B-PER", "2": "I-PER"}')
+    for name in names:
+        split_tag(name)
+    return tuple(names)
+
+
+def short_list(items: Sequence, n: int = 8) -> str:
+    """The first ``n`` items joined with commas, and how many there are in all when there are more."""
+    items = [str(x) for x in items]
+    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+def _align_token_labels(dataset, id2label, num_labels: int):
+    """Each sentence's tags (names or ids) as the model's tag ids."""
+    names = token_label_names(id2label, num_labels)
+    index = {normalize_label_name(n): i for i, n in enumerate(names)}
+    sources = dataset["source"] if "source" in dataset.column_names else [f"example {i + 1}" for i in range(len(dataset))]
+    aligned = []
+    for tags, source in zip(dataset["label"], sources):
+        ids = []
+        for tag in tags:
+            i = int_or_none(tag)
+            if i is None:
+                i = index.get(normalize_label_name(tag))
+            elif not 0 <= i < len(names):
+                raise LunaConvertError(f"{source}: tag id {i} is out of range: the model has {len(names)} tags "
+                                       f"({short_list(names, 12)})")
+            if i is None:
+                raise LunaConvertError(f"{source}: tag {tag!r} is not among the model's tags ({short_list(names, 12)}); "
+                                       "use the model finetuned on these tags or fix the data")
+            ids.append(i)
+        aligned.append(ids)
+    return dataset.remove_columns("label").add_column("label", aligned)
+
+
 def _align_image_labels(dataset, task: TaskSpec, id2label, num_labels: int):
     classes = list(getattr(dataset, "classes", []) or [])
     names = model_label_names(id2label, num_labels)
@@ -155,13 +197,16 @@ def align_labels(dataset, task: TaskSpec | str, id2label: dict[int, str] | None,
 
     Maps string labels through the model's ``id2label`` (case/separator-insensitive) — or through
     ``task.label_names`` when the model's names are generic (LABEL_0, ...); permutes GLUE class ids
-    when the model names the task's classes in another order. Raises LunaConvertError when the data
+    when the model names the task's classes in another order; maps a token task's tags (names or ids) to
+    the model's tag ids (see :func:`token_label_names`). Raises LunaConvertError when the data
     has more classes than the model or when names cannot be matched. Returns the dataset (a new one
     for text; image datasets get a ``label_map``).
     """
     task = get_task(task)
     if task.is_regression:
         return dataset
+    if task.is_token_level:
+        return _align_token_labels(dataset, id2label, num_labels)
     if task.kind == "image" or not hasattr(dataset, "column_names"):
         return _align_image_labels(dataset, task, id2label, num_labels)
     if "label" not in dataset.column_names:

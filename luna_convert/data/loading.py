@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..errors import LunaConvertError
 from ..tasks import TaskSpec, get_task
+from .conll import load_token_split
 from .glue import load_glue_hub_split, read_glue_tsv
 from .hub import datasets_source, load_datasets_split
 from .images import load_image_split
@@ -22,6 +23,8 @@ def _resolve_text_dir(task: TaskSpec, data_dir: Path) -> Path:
 
 
 def _load_text_split(task: TaskSpec, split: str, data_dir: Path | None):
+    if task.is_token_level:
+        return load_token_split(task, split, data_dir)
     if data_dir is None:
         return load_glue_hub_split(task, split)
     data_dir = _resolve_text_dir(task, data_dir)
@@ -37,7 +40,8 @@ def load_split(task: TaskSpec | str, split: str, data_dir: str | Path | None = N
 
     Text tasks: a ``datasets.Dataset`` with columns ``task.text_columns`` + ``"label"`` (int class
     ids; float for regression; -1 on unlabelled test splits; strings only for generic tasks whose
-    files hold class names — :func:`align_labels` maps those). Image tasks: a torch-style dataset of
+    files hold class names — :func:`align_labels` maps those). Token tasks: columns ``tokens`` (a list of
+    words), ``label`` (a list of tags, names or ids) and ``source`` (where each sentence is). Image tasks: a torch-style dataset of
     ``(PIL.Image RGB, int label)`` with a ``classes`` attribute.
 
     ``max_examples``: a deterministic subset — ``max_examples`` rows drawn with ``seed`` for the

@@ -151,16 +151,17 @@ def columns_to_dataset(task: TaskSpec, cols: dict[str, list], path, split: str):
     return task_dataset(task, texts, labels)
 
 
-def find_split_file(task: TaskSpec, data_dir: Path, split: str) -> Path:
-    """The table file in ``data_dir`` that holds ``split`` (e.g. dev.tsv or validation.csv for validation)."""
+def find_split_file(task: TaskSpec, data_dir: Path, split: str, extensions: Sequence[str] = TABLE_EXTENSIONS) -> Path:
+    """The file in ``data_dir`` that holds ``split`` (e.g. dev.tsv or validation.csv for validation), ending in
+    one of ``extensions`` (tried in order)."""
     stems = split_stems(task, split)
     for stem in stems:
-        for ext in TABLE_EXTENSIONS:
+        for ext in extensions:
             p = data_dir / f"{stem}{ext}"
             if p.is_file():
                 return p
     present = sorted(p.name for p in data_dir.iterdir() if p.is_file())
-    expected = ", ".join(f"{stems[0]}{e}" for e in TABLE_EXTENSIONS)
+    expected = ", ".join(f"{stems[0]}{e}" for e in extensions)
     raise LunaConvertError(
         f"no file for split {split!r} in {data_dir} (looked for {expected}); found: {', '.join(present) or 'nothing'}"
     )

@@ -26,6 +26,7 @@ from ..errors import LunaConvertError
 from ..fileio import atomic_write_json
 from ..folder_layout import STATE_FILE
 from ..ops.reference import logits_distillation_loss
+from ..tasks import IGNORE_INDEX
 
 
 
@@ -71,9 +72,11 @@ def _is_transformers(model: nn.Module) -> bool:
 
 
 def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """MSE for regression; else cross-entropy over examples ([B, C] logits) or tokens ([B, S, C], the
+    positions labelled IGNORE_INDEX left out)."""
     if logits.shape[-1] == 1 and labels.is_floating_point():
         return F.mse_loss(logits.squeeze(-1).float(), labels.float())
-    return F.cross_entropy(logits.float(), labels)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
 # ------------------------------------------------------------------ progress UI
@@ -173,17 +176,25 @@ def read_trainer_state(run_dir: Path) -> dict | None:
 # ----------------------------------------------------------------- evaluation
 @torch.no_grad()
 def predict(accelerator, model: nn.Module, loader, description: str = "eval") -> tuple[np.ndarray, np.ndarray]:
-    """Logits and labels over the whole loader, each example counted once across processes."""
+    """Logits and labels over the whole loader, each example counted once across processes. Token labels
+    ([B, S]): every batch padded to the longest (labels with IGNORE_INDEX), giving [N, S, C] and [N, S]."""
     model.eval()
     all_logits, all_labels = [], []
     bar, task = progress_bar(accelerator, description, len(loader))
     with bar:
         for batch in loader:
-            logits = forward_logits(model, batch)
-            logits, labels = accelerator.gather_for_metrics((logits.float(), batch["labels"]))
+            logits, labels = forward_logits(model, batch).float(), batch["labels"]
+            if labels.ndim == 2:  # one label a token: batches on other processes may be longer
+                logits = accelerator.pad_across_processes(logits, dim=1)
+                labels = accelerator.pad_across_processes(labels, dim=1, pad_index=IGNORE_INDEX)
+            logits, labels = accelerator.gather_for_metrics((logits, labels))
             all_logits.append(logits.cpu())
             all_labels.append(labels.cpu())
             bar.advance(task)
+    if all_labels and all_labels[0].ndim == 2:
+        longest = max(labels.shape[1] for labels in all_labels)
+        all_logits = [F.pad(x, (0, 0, 0, longest - x.shape[1])) for x in all_logits]
+        all_labels = [F.pad(y, (0, longest - y.shape[1]), value=IGNORE_INDEX) for y in all_labels]
     return torch.cat(all_logits).numpy(), torch.cat(all_labels).numpy()
 
 

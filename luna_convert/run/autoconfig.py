@@ -32,7 +32,8 @@ from typing import Callable, Sequence
 from ..errors import LunaConvertError
 from ..tasks import TaskSpec, get_task
 from .. import data
-from ..data import TABLE_EXTENSIONS, canonical_split, model_label_names, align_labels, normalize_label_name
+from ..data import (TABLE_EXTENSIONS, align_labels, canonical_split, model_label_names, normalize_label_name,
+                    short_list)
 from ..metrics import metric_names
 
 __all__ = [
@@ -409,7 +410,7 @@ def resolve_own_data(config: dict, loaded, say: Callable[[str], None] | None = N
         classes = list(getattr(train_ds, "classes", []) or [])
         model_names = data.model_label_names(loaded.id2label, num_labels)
         if len(classes) != num_labels:
-            raise LunaConvertError(f"the data has {len(classes)} classes ({_short(classes)}) but {model_name} predicts "
+            raise LunaConvertError(f"the data has {len(classes)} classes ({short_list(classes)}) but {model_name} predicts "
                                    f"{num_labels}; use the model finetuned on these classes")
         matched = model_names is not None and all(
             data.normalize_label_name(c) in {data.normalize_label_name(n) for n in model_names} for c in classes)
@@ -502,11 +503,6 @@ def _count(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1_000_000 else f"{n:,}"
 
 
-def _short(items: Sequence, n: int = 8) -> str:
-    items = [str(x) for x in items]
-    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
-
-
 def _class_label_names(names: list[str] | None, loaded, model_name: str) -> tuple[str, ...] | None:
     """A ClassLabel's names when they name the model's classes (so ids are permuted to the model's
     order); None when the model's names are generic (ids kept); an error when both name classes but differ."""
@@ -519,8 +515,8 @@ def _class_label_names(names: list[str] | None, loaded, model_name: str) -> tupl
     index = {normalize_label_name(n) for n in model_names}
     missing = [n for n in names if normalize_label_name(n) not in index]
     if missing:
-        raise LunaConvertError(f"data classes {_short(missing)} are not among {model_name}'s id2label "
-                               f"({_short(model_names)}); use the model finetuned on this data")
+        raise LunaConvertError(f"data classes {short_list(missing)} are not among {model_name}'s id2label "
+                               f"({short_list(model_names)}); use the model finetuned on this data")
     return tuple(names)
 
 
@@ -535,7 +531,7 @@ def _check_text_labels(spec: TaskSpec, train_ds, eval_ds, loaded, model_name: st
     eval_aligned = align_labels(eval_ds, spec, loaded.id2label, loaded.num_labels)
     present = sorted({int(y) for y in train_ds["label"] if int(y) >= 0})
     if len(present) != loaded.num_labels:
-        raise LunaConvertError(f"the train split has {len(present)} classes ({_short(raw)}) but {model_name} "
+        raise LunaConvertError(f"the train split has {len(present)} classes ({short_list(raw)}) but {model_name} "
                                f"predicts {loaded.num_labels}; use the model finetuned on this data or check "
                                "--label-column")
     if not any(int(y) >= 0 for y in eval_aligned["label"]):
@@ -574,7 +570,7 @@ def describe(resolved: dict) -> list[str]:
         shown = " ".join(f"{k}={v}" for k, v in c.items() if k != "why" and v)
         lines.append(row("columns", shown + (f" ({c['why']})" if c.get("why") else "")))
     lab = resolved["labels"]
-    classes = f"{_short(lab['classes'])}: " if lab.get("classes") is not None else ""
+    classes = f"{short_list(lab['classes'])}: " if lab.get("classes") is not None else ""
     lines.append(row("labels", classes + lab["mapping"]))
     mt = resolved["metric"]
     others = ", ".join(k for k in mt["all"] if k != mt["headline"])

@@ -97,12 +97,16 @@ def example_inputs(model: nn.Module) -> tuple[tuple, dict]:
     return (), {"input_ids": ids.to(ref.device)}
 
 
-def load_model(source: str, num_labels: int | None = None) -> LoadedModel:
+def load_model(source: str, num_labels: int | None = None, token_level: bool = False) -> LoadedModel:
     """Load a classifier and its preprocessing. ``num_labels`` sizes a fresh head only when the
-    checkpoint has none (a base model); a finetuned head is kept as it is."""
+    checkpoint has none (a base model); a finetuned head is kept as it is. ``token_level``: load a
+    token-classification model (a prediction a token, for NER). A checkpoint whose head (its
+    ``architectures``) is of the other kind is refused either way."""
     path = Path(source)
     if path.is_dir() and (path / CONVERSION_FILE).is_file():
         meta = read_metadata(path)
+        if meta["model"]["library"] == "transformers":
+            _check_head([meta["model"]["class"]], source, token_level)
         model = load(path)
         if meta["model"]["library"] == "timm":
             return LoadedModel(model, "image", image_config=meta.get("image_config") or _timm_image_config(model),
@@ -131,9 +135,15 @@ def load_model(source: str, num_labels: int | None = None) -> LoadedModel:
     try:
         config = transformers.AutoConfig.from_pretrained(source)
         kwargs = {"num_labels": num_labels} if num_labels and not getattr(config, "id2label", None) else {}
-        auto = (transformers.AutoModelForImageClassification if _is_vision_config(config)
-                else transformers.AutoModelForSequenceClassification)
+        if _is_vision_config(config):
+            auto = transformers.AutoModelForImageClassification
+        else:
+            _check_head(list(getattr(config, "architectures", None) or []), source, token_level)
+            auto = (transformers.AutoModelForTokenClassification if token_level
+                    else transformers.AutoModelForSequenceClassification)
         model = auto.from_pretrained(source, **kwargs)
+    except LunaConvertError:
+        raise
     except (OSError, ValueError) as e:
         if path.is_dir():
             raise _local_load_error(source, e) from e
@@ -145,11 +155,24 @@ def load_model(source: str, num_labels: int | None = None) -> LoadedModel:
     return _with_transformers_preprocessing(model, source, source)
 
 
+def _check_head(architectures: list[str], source: str, token_level: bool) -> None:
+    """A text checkpoint's head (its model classes) fits the task: loading a token head as a sequence one
+    (or the other way) would silently replace the finetuned head with an untrained one."""
+    token_head = any(a.endswith("ForTokenClassification") for a in architectures)
+    if token_head and not token_level:
+        raise LunaConvertError(f"{source} is a token-classification (NER) model ({architectures[0]}); "
+                               "run it with --task ner")
+    if token_level and architectures and not token_head:
+        raise LunaConvertError(f"{source} is not a token-classification model (its architectures: "
+                               f"{', '.join(architectures)}); a token task (--task ner) needs one, e.g. "
+                               "BertForTokenClassification")
+
+
 def _local_load_error(source: str, error: Exception) -> LunaConvertError:
     reason = (str(error).strip().splitlines() or [""])[0][:200]
     return LunaConvertError(f"cannot load the model in {source} ({type(error).__name__}: {reason}); the folder must "
                             "hold a complete transformers checkpoint (config.json and its weights) of a "
-                            "sequence- or image-classification model")
+                            "sequence-, token- or image-classification model")
 
 
 def check_model_folder(path: Path) -> None:

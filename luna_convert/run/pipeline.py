@@ -288,7 +288,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
 
     source = ensure_builtin(config["model"], accelerator, config["output_dir"], console=say, data_dir=config["data_dir"])
     set_seed(config["seed"])
-    loaded = load_model(source, task.num_labels if task else None)
+    loaded = load_model(source, task.num_labels if task else None, token_level=bool(task and task.is_token_level))
     if own_data:
         resolve_own_data(config, loaded, say=say)
         task = task_for(config)
@@ -298,6 +298,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     if not control:
         _check_convertible(loaded.model, config["method"], config["method_options"], config["keep_softmax_layers"])
     data = TaskData(config, loaded, task)
+    task = data.task  # a token task's tag names come with the model
     eval_loaders = data.eval_loaders()
     train_loader = data.train_loader()  # read before the run folder appears: bad train data fails first
     if accelerator.is_main_process:
@@ -528,14 +529,15 @@ def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | No
                   "max_train_examples": None, "batch_size": batch_size, "image_size": (run_config.get("train") or {}).get("image_size")},
     }
     config["train"]["max_length"] = max_length or config["train"].get("max_length", 128)
-    loaded = load_model(source, task.num_labels)
+    loaded = load_model(source, task.num_labels, token_level=task.is_token_level)
     if heads and not is_converted(loaded.model):
         raise LunaConvertError(f"{source} is not converted: --heads compares a converted model's linear attention "
                                "with softmax; pass a run folder or a converted model")
     accelerator = Accelerator()
     loaded.model.to(accelerator.device)
-    eval_loaders = TaskData(config, loaded, task).eval_loaders()
-    metrics, counted = score(accelerator, loaded.model, eval_loaders, task)
+    data = TaskData(config, loaded, task)
+    eval_loaders = data.eval_loaders()
+    metrics, counted = score(accelerator, loaded.model, eval_loaders, data.task)
     result = {"model": source, "task": task.name, "metrics": metrics, "eval_examples": counted,
               "converted": is_converted(loaded.model)}
     if heads:

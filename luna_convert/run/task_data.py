@@ -3,6 +3,7 @@ the number of optimiser steps a training config asks for."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from .. import data
@@ -13,9 +14,13 @@ EXTRA_EVAL_SPLITS = {"mnli": ("validation_mismatched",)}  # scored besides the t
 
 
 class TaskData:
-    """The task's splits and loaders for one model's preprocessing."""
+    """The task's splits and loaders for one model's preprocessing. ``task`` is the task as scored: a token
+    task gets its tag names (``label_names``) from the model's id2label."""
 
     def __init__(self, config: dict, loaded, task, accelerator=None):
+        if task.is_token_level:
+            names = data.token_label_names(loaded.id2label, loaded.num_labels)
+            task = dataclasses.replace(task, label_names=names, num_labels=len(names))
         self.task, self.loaded, self.config = task, loaded, config
         t = config["train"]
         self.truncated_by_split: dict[str, int] = {}  # examples cut to max_length; each split counted once
