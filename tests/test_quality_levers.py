@@ -351,6 +351,12 @@ def test_logits_distillation_loss_is_the_class_kl_and_squared_error_for_one_outp
     assert logits_distillation_loss(teacher, teacher).item() == pytest.approx(0.0, abs=1e-6)
     one_t, one_s = torch.randn(5, 1), torch.randn(5, 1)
     assert logits_distillation_loss(one_t, one_s).item() == pytest.approx(((one_t - one_s) ** 2).mean().item())
+    # per token: padded positions do not count
+    tok_t, tok_s = torch.randn(2, 4, 3), torch.randn(2, 4, 3)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    real = logits_distillation_loss(tok_t[mask.bool()], tok_s[mask.bool()])
+    tok_s[1, 2:] += 5.0
+    assert logits_distillation_loss(tok_t, tok_s, mask).item() == pytest.approx(real.item(), rel=1e-6)
 
 
 def test_softmax_logits_of_a_converted_model_are_the_original_models():

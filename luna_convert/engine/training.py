@@ -280,7 +280,8 @@ def distill_attention(
                     with accelerator.autocast():
                         if target == "logits":
                             teacher = softmax_logits(model, layers, batch)
-                            loss = logits_distillation_loss(teacher, forward_logits(model, batch))
+                            loss = logits_distillation_loss(teacher, forward_logits(model, batch),
+                                                            batch.get("attention_mask"))
                         else:
                             forward_logits(model, batch)
                             loss = torch.stack([layer.distill_loss for layer in layers]).mean()

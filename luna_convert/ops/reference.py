@@ -77,10 +77,15 @@ def output_distillation_loss(teacher: torch.Tensor, student: torch.Tensor,
     return err.sum() / ref.sum().clamp_min(1e-12)
 
 
-def logits_distillation_loss(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+def logits_distillation_loss(teacher: torch.Tensor, student: torch.Tensor,
+                             token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The model-level target: KL(softmax(teacher) || softmax(student)) over the classes, mean over
-    examples (as RADLADS / Mamba-in-the-Llama distil); one output (regression): the squared error."""
+    examples (as RADLADS / Mamba-in-the-Llama distil); one output (regression): the squared error.
+    Per-token logits [B, N, C] with ``token_mask`` [B, N]: the mean over real tokens only."""
     teacher, student = teacher.float(), student.float()
+    if teacher.dim() == 3 and token_mask is not None:
+        real = token_mask.bool()
+        teacher, student = teacher[real], student[real]
     if teacher.shape[-1] == 1:
         return (student - teacher).pow(2).mean()
     log_t, log_s = F.log_softmax(teacher, -1), F.log_softmax(student, -1)
