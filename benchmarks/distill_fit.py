@@ -23,6 +23,7 @@ import torch
 
 from luna_convert import convert
 from luna_convert.conversion import feature_map_parameters, linear_attention_modules
+from luna_convert.engine.training import scaled_groups
 from luna_convert.ops.reference import attention_distillation_loss, softmax_attention_weights
 
 SHARED = Path(os.environ.get("LUNA_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
@@ -99,7 +100,7 @@ def main() -> None:
     first = transformers.BertModel.from_pretrained(path)
     convert(first, "hedgehog")
     print(f"teacher attention entropy (the CE floor): {teacher_entropy(first, held_out):.3f}", flush=True)
-    for name, method, options, lr, *rest in configs:
+    for name, method, options, lr in configs:
         torch.manual_seed(0)
         model = transformers.BertModel.from_pretrained(path)
         convert(model, method, **options)
@@ -111,11 +112,7 @@ def main() -> None:
             p.requires_grad_(False)
         for p in params:
             p.requires_grad_(True)
-        bank = {id(p) for n, p in model.named_parameters() if ".psi." in n}
-        bank_lr = rest[0] if rest else lr
-        groups = [{"params": [p for p in params if id(p) not in bank], "lr": lr},
-                  {"params": [p for p in params if id(p) in bank], "lr": bank_lr}]
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"] and g["lr"] > 0])
+        optimizer = torch.optim.AdamW(scaled_groups(params, layers, lr))  # as the pipeline's distillation
         for layer in layers:
             layer.distill = True
         for step in range(args.steps):

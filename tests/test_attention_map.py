@@ -23,7 +23,7 @@ from luna_convert.run.models import load_model
 from luna_convert.serialization import save
 
 from conftest import make_timm_vit
-from test_pipeline import write_bert_checkpoint
+from builders import write_bert_checkpoint
 
 SENTENCE = "the movie was very good not bad"
 

@@ -13,7 +13,7 @@ from luna_convert.conversion import convert, is_converted, linear_attention_modu
 from luna_convert.errors import ConversionError
 
 from conftest import HEADS, HIDDEN, IMAGE, LAYERS, VOCAB, make_hf_vit, make_timm_vit
-from test_convert import randomize_dwc
+from builders import randomize_dwc
 
 
 def record_dwc_calls(model) -> list:

@@ -18,7 +18,7 @@ from luna_convert.run.models import load_model
 from luna_convert.run.pipeline import evaluate_model, run_conversion
 
 from conftest import IMAGE, NUM_LABELS, make_hf_vit
-from test_pipeline import config_for, write_image_folder
+from builders import config_for, write_image_folder
 
 
 def write_hf_vit_checkpoint(folder: Path, processor=None) -> Path:

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from luna_convert.cli import app
 from luna_convert.errors import LunaConvertError
 
-from test_pipeline import write_bert_checkpoint, write_image_folder, write_sst2, write_timm_checkpoint
+from builders import write_bert_checkpoint, write_image_folder, write_sst2, write_timm_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from luna_convert.layers.attention import LinearAttention
 from luna_convert.conversion import CONFIG_ATTR, convert, feature_map_parameters, is_converted, linear_attention_modules
 from luna_convert.errors import ConversionError, LunaConvertError, UnknownNameError
 from luna_convert.linear_methods import METHODS as METHOD_SPECS
+from builders import randomize_dwc
 
 from conftest import (ARCHITECTURES, HEADS, HIDDEN, LAYERS, VOCAB, example_inputs, logits_of, make_bert,
                       make_distilbert)
@@ -27,16 +28,6 @@ def converted(arch: str, method: str, **options):
     original = copy.deepcopy(model)
     report = convert(model, method, **options)
     return original, model, report
-
-
-def randomize_dwc(model: nn.Module, seed: int = 0) -> None:
-    """DWC is zero-initialised; give it weights so tests exercise the branch."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for la in linear_attention_modules(model):
-            if la.dwc is not None:
-                for p in la.dwc.parameters():
-                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
 
 
 # ------------------------------------------------------------ every method x arch

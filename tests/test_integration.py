@@ -18,7 +18,7 @@ from luna_convert.conversion import convert
 from luna_convert.serialization import load, save
 
 from conftest import example_inputs, logits_of, make_bert, make_hf_vit, make_timm_vit
-from test_pipeline import write_bert_checkpoint
+from builders import write_bert_checkpoint
 
 TEXTS = ["good movie", "the plot was very awful and not fine", "a great film", "bad"]
 

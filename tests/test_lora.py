@@ -15,7 +15,7 @@ from luna_convert.conversion import linear_attention_modules
 from luna_convert.engine.lora import add_lora, head_module_names, merge_lora
 from luna_convert.errors import LunaConvertError
 from luna_convert.run.pipeline import run_conversion
-from test_pipeline import config_for, write_bert_checkpoint, write_sst2
+from builders import config_for, write_bert_checkpoint, write_sst2
 
 
 def test_lora_trains_adapters_head_and_what_conversion_added_then_merges_exactly():

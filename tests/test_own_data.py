@@ -4,10 +4,7 @@ inferred by luna_convert.run.autoconfig; tiny models and data written here, noth
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ from luna_convert.run.autoconfig import (
 from luna_convert.errors import LunaConvertError
 from luna_convert.run.models import load_model
 from luna_convert.run.recipes import apply_overrides, load_recipe
-from test_pipeline import write_timm_checkpoint
+from builders import start_cli, write_timm_checkpoint
 
 POS, NEG, FILL = ["good", "great", "fine"], ["awful", "bad", "poor"], "movie film plot actor the a is was very not".split()
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *POS, *NEG, *FILL]
@@ -108,12 +105,6 @@ def own_config(model: Path, data, **over) -> dict:
     overrides = {"model": str(model), "data_dir": str(data), "seed": 0, **over}
     config = apply_overrides(load_recipe(None), overrides)
     return mark_auto(config, overrides)
-
-
-def run_cli(*args) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "luna_convert", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -337,14 +328,14 @@ def test_cli_pair_classification_end_to_end_and_errors(tmp_path, bert, csv_data)
     write_csv(empty / "dev.csv", [], header=["review", "stars"])
     out = tmp_path / "out"
     procs = {
-        "pair": run_cli("run", "--model", nli, "--data-dir", pair, "--method", "t2r", "--max-steps", "2",
+        "pair": start_cli("run", "--model", nli, "--data-dir", pair, "--method", "t2r", "--max-steps", "2",
                         "--output-dir", out),
-        "wrong column": run_cli("run", "--model", bert, "--data-dir", csv_data, "--text-column", "body",
+        "wrong column": start_cli("run", "--model", bert, "--data-dir", csv_data, "--text-column", "body",
                                 "--output-dir", tmp_path / "o1"),
-        "missing column": run_cli("run", "--model", bert, "--data-dir", csv_data, "--task", "text-pair-classification",
+        "missing column": start_cli("run", "--model", bert, "--data-dir", csv_data, "--task", "text-pair-classification",
                                   "--output-dir", tmp_path / "o2"),
-        "labels": run_cli("run", "--model", nli, "--data-dir", bad, "--output-dir", tmp_path / "o3"),
-        "empty": run_cli("run", "--model", bert, "--data-dir", empty, "--output-dir", tmp_path / "o4"),
+        "labels": start_cli("run", "--model", nli, "--data-dir", bad, "--output-dir", tmp_path / "o3"),
+        "empty": start_cli("run", "--model", bert, "--data-dir", empty, "--output-dir", tmp_path / "o4"),
     }
     done = {k: (p.communicate(timeout=240), p.returncode) for k, p in procs.items()}
     expected = {

@@ -4,91 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import luna_convert
 from luna_convert.run.pipeline import evaluate_model, run_conversion
-from luna_convert.run.recipes import apply_overrides, load_recipe
+from luna_convert.run.recipes import load_recipe
+from builders import (config_for, run_cli, write_bert_checkpoint, write_image_folder, write_sst2,
+                      write_timm_checkpoint)
 
-WORDS = "good great fine awful bad poor movie film plot actor the a is was very not".split()
 RESULT_FIELDS = {"teacher_score", "converted_score", "recovered_pct", "teacher_metrics", "converted_metrics",
                  "config", "versions", "seed", "timings", "steps", "headline_metric", "eval_examples", "conversion"}
-
-
-def write_sst2(folder: Path, n_train: int = 48, n_dev: int = 20) -> Path:
-    rng = random.Random(0)
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, n in (("train.tsv", n_train), ("dev.tsv", n_dev)):
-        rows = ["sentence\tlabel"]
-        for _ in range(n):
-            label = rng.randint(0, 1)
-            words = [rng.choice(WORDS[:3] if label else WORDS[3:6])] + rng.choices(WORDS[6:], k=rng.randint(2, 9))
-            rows.append(" ".join(rng.sample(words, len(words))) + f"\t{label}")
-        (folder / name).write_text("\n".join(rows) + "\n")
-    return folder
-
-
-def write_bert_checkpoint(folder: Path, num_labels: int = 2, arch: str = "bert", head: str = "Sequence",
-                          words=WORDS, id2label: dict | None = None) -> Path:
-    """A tiny BERT (or, with arch="distilbert", DistilBERT) classifier with its tokenizer (vocabulary: the
-    special tokens and ``words``), saved like a hub checkpoint; ``head`` "Token" makes a token classifier."""
-    import transformers
-
-    prefix = {"bert": "Bert", "distilbert": "DistilBert"}[arch]
-    tokenizer_class = transformers.BertTokenizerFast  # DistilBERT checkpoints use the same WordPiece vocabulary
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = folder / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
-    # transformers 5 takes the vocabulary as `vocab` (and silently ignores `vocab_file`, leaving a
-    # 5-token tokenizer that maps every word to [UNK]); v4 takes `vocab_file`.
-    import inspect
-
-    key = "vocab" if "vocab" in inspect.signature(tokenizer_class.__init__).parameters else "vocab_file"
-    tokenizer = tokenizer_class(**{key: str(vocab)})
-    assert len(tokenizer) == len(words) + 5, "the tiny tokenizer lost its vocabulary"
-    torch.manual_seed(0)
-    sizes = {"vocab_size": len(words) + 5, "max_position_embeddings": 64, "num_labels": num_labels}
-    if id2label is not None:
-        sizes.update(num_labels=len(id2label), id2label=id2label, label2id={v: k for k, v in id2label.items()})
-    if arch == "bert":
-        config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         intermediate_size=64, **sizes)
-    else:
-        config = transformers.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=64, **sizes)
-    getattr(transformers, f"{prefix}For{head}Classification")(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def write_image_folder(folder: Path, classes=("cat", "dog", "fox"), per_class: int = 6) -> Path:
-    from PIL import Image
-
-    rng = random.Random(0)
-    for split, n in (("train", per_class), ("val", per_class // 2)):
-        for c_idx, cls in enumerate(classes):
-            (folder / split / cls).mkdir(parents=True, exist_ok=True)
-            for i in range(n):
-                colour = tuple(min(255, 60 * c_idx + rng.randint(0, 40)) for _ in range(3))
-                Image.new("RGB", (24, 24), colour).save(folder / split / cls / f"{i}.png")
-    return folder
-
-
-def write_timm_checkpoint(folder: Path, num_classes: int = 3, img_size: int = 32, embed_dim: int = 32,
-                          depth: int = 2, num_heads: int = 4) -> Path:
-    """A tiny timm ViT saved in luna_convert.save format (an original, unconverted checkpoint)."""
-    torch.manual_seed(0)
-    model = luna_convert.create_timm_model("vit_tiny_patch16_224", img_size=img_size, patch_size=8,
-                                           embed_dim=embed_dim, depth=depth, num_heads=num_heads,
-                                           num_classes=num_classes)
-    image_config = {"mean": [0.5] * 3, "std": [0.5] * 3, "size": img_size}
-    luna_convert.save(model, folder, extra={"image_config": image_config})
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -101,14 +30,6 @@ def text_setup(tmp_path_factory):
 def image_setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("image")
     return write_timm_checkpoint(root / "vit"), write_image_folder(root / "images")
-
-
-def config_for(model: Path, data: Path, task: str, method: str, out: Path, **train) -> dict:
-    overrides = {"model": str(model), "data_dir": str(data), "task": task, "method": method,
-                 "output_dir": str(out), "train.max_steps": 3, "train.batch_size": 8, "train.eval_batch_size": 8,
-                 "train.lr": 1e-3, "distill.default_steps": 2, "seed": 0}
-    overrides.update({f"train.{k}": v for k, v in train.items()})
-    return apply_overrides(load_recipe(None), overrides)
 
 
 def test_distilbert_run_and_eval(tmp_path):
@@ -153,12 +74,6 @@ def test_image_run_and_eval(image_setup, tmp_path):
     # The original checkpoint evaluates to the recorded teacher score.
     teacher = evaluate_model(model_dir, task="image-classification", data_dir=str(data_dir))
     assert not teacher["converted"] and teacher["metrics"]["accuracy"] == results["teacher_score"]
-
-
-def run_cli(*args, env_extra=None, timeout=300):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "luna_convert", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
 
 
 @pytest.mark.parametrize(

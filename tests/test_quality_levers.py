@@ -14,7 +14,7 @@ from luna_convert.layers.attention import LinearAttention
 from luna_convert.linear_methods.luna import EXP_INIT_SPAN, LunaFeatureMap, ScalarChannels, exp_rates
 from luna_convert.run.pipeline import run_conversion
 from luna_convert.engine.training import parameter_groups
-from test_pipeline import config_for, write_bert_checkpoint, write_sst2
+from builders import config_for, write_bert_checkpoint, write_sst2
 
 
 def test_exp_channel_init_interpolates_exponentials():
@@ -425,3 +425,29 @@ def test_a_method_without_parameters_skips_distillation_and_says_so(tiny_case, t
     results = run_conversion(config, console=type("Console", (), {"print": lambda self, *a, **k: lines.append(str(a[0]))})())
     assert results["steps"]["distill"] == 0 and "after_distillation" not in results["stage_scores"]
     assert any("no trainable feature map: its 2 distillation steps are skipped" in line for line in lines)
+
+
+def test_channel_lr_scale_gives_luna_channel_functions_their_own_rate_in_both_stages():
+    from conftest import make_bert
+
+    from luna_convert import convert
+    from luna_convert.conversion import feature_map_parameters, linear_attention_modules
+    from luna_convert.engine.training import scaled_groups
+
+    model = make_bert()
+    convert(model, "luna", channel_lr_scale=0.1)
+    channel = {id(p) for n, p in model.named_parameters() if ".psi." in n}
+    assert channel
+    layers = linear_attention_modules(model)
+    distil = scaled_groups(feature_map_parameters(model), layers, lr=1e-2)
+    lr_of = {id(p): g["lr"] for g in distil for p in g["params"]}
+    assert all(lr_of[i] == pytest.approx(1e-3) for i in channel)
+    assert {v for i, v in lr_of.items() if i not in channel} == {1e-2}
+    groups = parameter_groups(model, lr=2e-5, weight_decay=0.01, added_lr=1e-3)
+    lr_of = {id(p): g["lr"] for g in groups for p in g["params"]}
+    assert all(lr_of[i] == pytest.approx(1e-4) for i in channel)
+    dwc = {id(p) for n, p in model.named_parameters() if ".dwc." in n}
+    assert {lr_of[i] for i in dwc} == {1e-3}
+    plain = make_bert()
+    convert(plain, "luna")
+    assert len(scaled_groups(feature_map_parameters(plain), linear_attention_modules(plain), lr=1e-2)) == 1

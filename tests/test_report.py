@@ -88,7 +88,7 @@ def test_a_run_records_when_it_finished(tmp_path):
     from datetime import datetime
 
     from luna_convert.run.pipeline import run_conversion
-    from test_pipeline import config_for, write_bert_checkpoint, write_sst2
+    from builders import config_for, write_bert_checkpoint, write_sst2
 
     config = config_for(write_bert_checkpoint(tmp_path / "bert"), write_sst2(tmp_path / "SST-2"), "sst2", "t2r",
                         tmp_path / "out", max_steps=1)

@@ -208,7 +208,7 @@ def test_no_curves_without_logged_steps(tmp_path):
 
 def test_a_pipeline_run_writes_its_card_and_curves_and_overwrite_replaces_them(tmp_path):
     from huggingface_hub import ModelCard
-    from test_pipeline import config_for, write_bert_checkpoint, write_sst2
+    from builders import config_for, write_bert_checkpoint, write_sst2
 
     from luna_convert.run.pipeline import run_conversion
 

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 from luna_convert.cli import app
 from luna_convert.engine.training import STATE_FILE
 
-from test_pipeline import write_bert_checkpoint, write_sst2, write_timm_checkpoint
+from builders import write_bert_checkpoint, write_sst2, write_timm_checkpoint
 
 STEPS, EVERY = 9, 3  # 6 batches per epoch: the run crosses an epoch boundary
 

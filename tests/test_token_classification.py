@@ -19,7 +19,7 @@ from luna_convert.run.compare import summarise
 from luna_convert.run.pipeline import evaluate_model, run_conversion
 from luna_convert.tasks import IGNORE_INDEX, get_task
 from luna_convert.tools.report import build_report
-from test_pipeline import config_for, run_cli, write_bert_checkpoint
+from builders import config_for, run_cli, write_bert_checkpoint
 
 try:
     import seqeval.metrics as seqeval_metrics

@@ -267,7 +267,7 @@ def distill_attention(
     layers = linear_attention_modules(model)
     for layer in layers:
         layer.distill, layer.distill_target = target != "logits", target
-    optimizer = torch.optim.AdamW(params, lr=lr)
+    optimizer = torch.optim.AdamW(scaled_groups(params, layers, lr), lr=lr)
     # Logits: both passes without dropout, so the teacher's logits are the model's, not one dropout draw.
     model.train(target != "logits")
     step, epoch, loss_value, t0 = 0, 0, None, time.perf_counter()
@@ -328,16 +328,32 @@ def _load_latest(accelerator, run_dir: Path) -> None:
     accelerator.load_state(str(run_dir / "checkpoints" / state["checkpoint"]))
 
 
+def learning_rate_scales(layers: list) -> dict[int, float]:
+    return {k: v for layer in layers for k, v in layer.learning_rate_scales().items()}
+
+
+def scaled_groups(params: list[nn.Parameter], layers: list, lr: float) -> list[dict]:
+    """Optimizer groups of ``params`` at ``lr`` times each parameter's method-given scale (default 1)."""
+    scales = learning_rate_scales(layers)
+    groups: dict[float, list] = {}
+    for p in params:
+        groups.setdefault(scales.get(id(p), 1.0), []).append(p)
+    return [{"params": ps, "lr": lr * scale} for scale, ps in sorted(groups.items())]
+
+
 def parameter_groups(model: nn.Module, lr: float, weight_decay: float, added_lr: float | None = None) -> list[dict]:
-    """AdamW groups: weight decay on matrices only; what conversion added at ``added_lr`` (None: ``lr``)."""
-    added = {id(p) for layer in linear_attention_modules(model) for p in layer.parameters()}
-    groups: dict[tuple[bool, bool], list] = {}
+    """AdamW groups: weight decay on matrices only; what conversion added at ``added_lr`` (None: ``lr``),
+    times the learning-rate scale its method gives a parameter (``learning_rate_scales``)."""
+    layers = linear_attention_modules(model)
+    added = {id(p) for layer in layers for p in layer.parameters()}
+    scales = learning_rate_scales(layers)
+    groups: dict[tuple[bool, bool, float], list] = {}
     for p in model.parameters():
         if p.requires_grad:
-            groups.setdefault((id(p) in added, p.ndim > 1), []).append(p)
+            groups.setdefault((id(p) in added, p.ndim > 1, scales.get(id(p), 1.0)), []).append(p)
     return [{"params": params, "weight_decay": weight_decay if matrix else 0.0,
-             "lr": added_lr if is_added and added_lr is not None else lr}
-            for (is_added, matrix), params in sorted(groups.items())]
+             "lr": (added_lr if is_added and added_lr is not None else lr) * scale}
+            for (is_added, matrix, scale), params in sorted(groups.items())]
 
 
 def make_scheduler(optimizer, schedule: str, warmup_steps: int, total_steps: int):

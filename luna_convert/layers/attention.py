@@ -124,6 +124,11 @@ class LinearAttention(nn.Module):
         """What the method added (feature maps or kernel), DWC excluded: what distillation trains."""
         return [p for m in (self.phi_q, self.phi_k, self.kernel) if m is not None for p in m.parameters()]
 
+    def learning_rate_scales(self) -> dict[int, float]:
+        """id(parameter) -> learning-rate factor, for the method's parameters that train at another rate."""
+        return {k: v for m in (self.phi_q, self.phi_k, self.kernel) if m is not None
+                for k, v in m.learning_rate_scales().items()}
+
     def query_features(self, q: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
         return self.phi_q(q * self.head_dim**-0.5 if self.phi_q.prescale_query else q, context)
 

@@ -125,6 +125,11 @@ class MethodCore(nn.Module):
             options = replace(options, **overrides)
         self.head_dim, self.num_heads, self.options = head_dim, num_heads, options
 
+    def learning_rate_scales(self) -> dict[int, float]:
+        """id(parameter) -> factor on the learning rate it trains at (distillation and the added-module
+        group of finetuning); parameters not listed train at the plain rate."""
+        return {}
+
 
 class FeatureMap(MethodCore, abc.ABC):
     """phi: [B, H, N, d] -> [B, H, N, D]; non-negative unless the method says otherwise.

@@ -164,6 +164,8 @@ class LunaOptions(AttentionOptions):
     feature_norm: str = option("channel", "none (the paper's), or channel (derived): each channel's features sum to 1 over the "
                                "projections, per token (with exp(+-u) channels and W = I: Hedgehog's softmax pair)")
     fast: bool = option(True, "evaluate the mlp bank from sorted knots (same values as the MLP, less memory)")
+    channel_lr_scale: float = option(1.0, "derived: the channel functions' learning rate relative to the "
+                                     "projections' (Adam moves every knot parameter by about lr per step)")
 
     # Folders saved before these options existed were converted with the paper's form.
     saved_before: ClassVar[Mapping[str, Any]] = MappingProxyType({
@@ -181,8 +183,10 @@ class LunaOptions(AttentionOptions):
             check_fourier_channels(self.channels)
         check_choice("projection_init", self.projection_init, PROJECTION_INITS)
         check_choice("feature_norm", self.feature_norm, FEATURE_NORMS)
-        if not (isinstance(self.exp_rate, (int, float)) and self.exp_rate > 0):
-            raise ValueError(f"exp_rate must be a positive number, got {self.exp_rate!r}")
+        for name in ("exp_rate", "channel_lr_scale"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
 # The paper's form (Eq. 11, Listing 1) in these options: `convert(model, "luna", **PAPER_OPTIONS)`.
@@ -235,6 +239,10 @@ class LunaFeatureMap(FeatureMap):
     @property
     def feature_dim(self) -> int:
         return self.projections * self.channels
+
+    def learning_rate_scales(self) -> dict[int, float]:
+        scale = self.options.channel_lr_scale
+        return {} if scale == 1.0 else {id(p): scale for p in self.psi.parameters()}
 
     @property
     def uses_kernel(self) -> bool:
