@@ -435,7 +435,7 @@ def test_channel_lr_scale_gives_luna_channel_functions_their_own_rate_in_both_st
     from luna_convert.engine.training import scaled_groups
 
     model = make_bert()
-    convert(model, "luna", channel_lr_scale=0.1)
+    convert(model, "luna")  # the default: 0.1
     channel = {id(p) for n, p in model.named_parameters() if ".psi." in n}
     assert channel
     layers = linear_attention_modules(model)
@@ -449,5 +449,5 @@ def test_channel_lr_scale_gives_luna_channel_functions_their_own_rate_in_both_st
     dwc = {id(p) for n, p in model.named_parameters() if ".dwc." in n}
     assert {lr_of[i] for i in dwc} == {1e-3}
     plain = make_bert()
-    convert(plain, "luna")
+    convert(plain, "luna", channel_lr_scale=1.0)  # one rate for everything: one group
     assert len(scaled_groups(feature_map_parameters(plain), linear_attention_modules(plain), lr=1e-2)) == 1
