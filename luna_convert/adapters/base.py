@@ -26,11 +26,12 @@ def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     (True = keep) or additive float masks (0 = keep, very negative = drop), as
     built by transformers v4 (eager: [B,1,1,N] additive; sdpa: [B,1,N,N]
     additive) and v5 (eager: [B,1,N,N] additive; sdpa: [B,1,N,N] bool).
-    An all-real mask becomes None.
+    An all-real mask becomes None (in eager code; compiled code keeps it, with the same result).
 
     Linear attention can only drop keys, so a mask whose real query rows do
     not all share one key pattern (causal, block or per-query masks) is
-    refused instead of being silently approximated. Query rows that keep
+    refused instead of being silently approximated (ValueError; in compiled
+    code a RuntimeError with the same message, see ``_require``). Query rows that keep
     nothing or everything (how some libraries treat pad queries) are allowed.
     """
     if mask is None:
@@ -42,13 +43,17 @@ def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
         )
     if mask.dtype == torch.bool:
         keep = mask
-    elif mask.dim() == 2 and not bool((mask < 0).any()):
-        keep = mask > 0  # 0/1 (or 0/positive) key-padding mask
-    else:  # additive
-        keep = mask > _ADDITIVE_DROP
-        if bool((keep & (mask != 0)).any()):  # neither keep (0) nor drop: a score bias
-            raise ValueError("the attention mask adds biases to the scores (e.g. a relative-position bias), not only "
-                             "key padding; linear attention cannot apply them")
+    else:
+        dropped = mask > _ADDITIVE_DROP
+        if mask.dim() == 2:  # 0/1 (or 0/positive) key-padding mask, unless it holds negative (additive) values
+            additive = (mask < 0).any()
+            keep = torch.where(additive, dropped, mask > 0)
+            biased = additive & keep & (mask != 0)
+        else:  # additive
+            keep = dropped
+            biased = keep & (mask != 0)  # neither keep (0) nor drop: a score bias
+        _require(~biased.any(), "the attention mask adds biases to the scores (e.g. a relative-position bias), not "
+                 "only key padding; linear attention cannot apply them")
     if keep.dim() == 4:
         keep = keep[:, 0]  # the head axis is 1 (or repeats the same pattern)
     if keep.dim() == 3:
@@ -62,15 +67,27 @@ def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
         if keep.shape[1] > 1:
             full_or_empty = keep.all(-1) | ~keep.any(-1)
             same = (keep == pattern[:, None, :]).all(-1)
-            if not bool((same | full_or_empty).all()):
-                raise ValueError(
-                    "linear attention supports key-padding masks only; this attention mask varies across query "
-                    "rows (causal or structured masks cannot be linearised)"
-                )
+            _require((same | full_or_empty).all(),
+                     "linear attention supports key-padding masks only; this attention mask varies across query "
+                     "rows (causal or structured masks cannot be linearised)")
         keep = pattern
     elif keep.dim() != 2:
         raise ValueError(f"unsupported attention mask shape {tuple(mask.shape)}")
+    if torch.compiler.is_compiling():
+        # Whether every key is real is a data-dependent branch; an all-real mask gives the same
+        # result as None (every use multiplies by it or masks with it), only a few ops more.
+        return keep
     return None if bool(keep.all()) else keep
+
+
+def _require(ok: torch.Tensor, message: str) -> None:
+    """ValueError(message) unless the bool tensor ``ok`` is True. Compiled code cannot branch on a
+    tensor's value without a graph break: there the check stays in the graph as an assertion that
+    raises (a RuntimeError with the same message) when the compiled code runs."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise ValueError(message)
 
 
 class LinearizedAttention:
