@@ -52,12 +52,12 @@ def vit_has_proj_layout() -> bool:
 
 
 # --------------------------------------------------------------------------- builders
-def make_bert(attn_implementation: str | None = None, num_labels: int = NUM_LABELS):
+def make_bert(attn_implementation: str | None = None, num_labels: int = NUM_LABELS, layers: int = LAYERS):
     from transformers import BertConfig, BertForSequenceClassification
 
     seed_everything()
     config = BertConfig(
-        hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=INTERMEDIATE,
+        hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS, intermediate_size=INTERMEDIATE,
         vocab_size=VOCAB, max_position_embeddings=64, num_labels=num_labels, initializer_range=INIT_STD,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )
@@ -80,12 +80,12 @@ def make_distilbert(attn_implementation: str | None = None, num_labels: int = NU
     return DistilBertForSequenceClassification(config).eval()
 
 
-def make_hf_vit(attn_implementation: str | None = None):
+def make_hf_vit(attn_implementation: str | None = None, layers: int = LAYERS):
     from transformers import ViTConfig, ViTForImageClassification
 
     seed_everything()
     config = ViTConfig(
-        hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=INTERMEDIATE,
+        hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS, intermediate_size=INTERMEDIATE,
         image_size=IMAGE, patch_size=PATCH, num_channels=3, num_labels=NUM_LABELS, initializer_range=INIT_STD,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )

@@ -24,6 +24,9 @@ def test_quick_benchmark_writes_json_and_png(tmp_path):
     assert data["layers"]["config"]["methods"] == ["softmax", "softmax-eager", "luna", "t2r"]
     rows = data["layers"]["results"]
     assert {(r["method"], r["n"]) for r in rows} == {(m, n) for m in ("softmax", "softmax-eager", "luna", "t2r") for n in (32, 64)}
+    ops = {(r["method"], r["n"]): r["fwd_ops"] for r in rows}
+    for m in ("luna", "t2r"):  # counted per forward; the same at every length
+        assert isinstance(ops[(m, 32)], int) and ops[(m, 32)] > 10 and ops[(m, 32)] == ops[(m, 64)]
     for r in rows:
         assert _positive(r["fwd_ms"]) and _positive(r["fwd_bwd_ms"]), r
         assert _positive(r["fwd_bwd_peak_mb"]), r
@@ -47,6 +50,7 @@ def test_quick_benchmark_writes_json_and_png(tmp_path):
     assert results["layers"]["results"][0]["fwd_ms"] == rows[0]["fwd_ms"]
     assert "Attention layer forward time" in console.file.getvalue()
     assert "| N |" in (tmp_path / "bench.md").read_text()
+    assert "aten operator calls per forward" in (tmp_path / "bench.md").read_text()
 
 
 def test_cpu_timer_layers_only(tmp_path):

@@ -29,12 +29,16 @@ def _kept(mask: torch.Tensor) -> torch.Tensor:
         )
     if mask.dtype == torch.bool:
         return mask
-    if mask.dim() == 2 and not bool((mask < 0).any()):
-        return mask > 0  # 0/1 (or 0/positive) key-padding mask
-    keep = mask > _ADDITIVE_DROP  # additive
-    if bool((keep & (mask != 0)).any()):  # neither keep (0) nor drop: a score bias
-        raise ValueError("the attention mask adds biases to the scores (e.g. a relative-position bias), not only "
-                         "key padding; linear attention cannot apply them")
+    dropped = mask > _ADDITIVE_DROP
+    if mask.dim() == 2:  # 0/1 (or 0/positive) key-padding mask, unless it holds negative (additive) values
+        additive = (mask < 0).any()
+        keep = torch.where(additive, dropped, mask > 0)
+        biased = additive & keep & (mask != 0)
+    else:  # additive
+        keep = dropped
+        biased = keep & (mask != 0)  # neither keep (0) nor drop: a score bias
+    _require(~biased.any(), "the attention mask adds biases to the scores (e.g. a relative-position bias), not "
+             "only key padding; linear attention cannot apply them")
     return keep
 
 
@@ -45,11 +49,12 @@ def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     (True = keep) or additive float masks (0 = keep, very negative = drop), as
     built by transformers v4 (eager: [B,1,1,N] additive; sdpa: [B,1,N,N]
     additive) and v5 (eager: [B,1,N,N] additive; sdpa: [B,1,N,N] bool).
-    An all-real mask becomes None.
+    An all-real mask becomes None (in eager code; compiled code keeps it, with the same result).
 
     Linear attention can only drop keys, so a mask whose real query rows do
     not all share one key pattern (causal, block or per-query masks) is
-    refused instead of being silently approximated. Query rows that keep
+    refused instead of being silently approximated (ValueError; in compiled
+    code a RuntimeError with the same message, see ``_require``). Query rows that keep
     nothing or everything (how some libraries treat pad queries) are allowed.
     """
     if mask is None:
@@ -68,14 +73,16 @@ def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
         if keep.shape[1] > 1:
             full_or_empty = keep.all(-1) | ~keep.any(-1)
             same = (keep == pattern[:, None, :]).all(-1)
-            if not bool((same | full_or_empty).all()):
-                raise ValueError(
-                    "linear attention supports key-padding masks only; this attention mask varies across query "
-                    "rows (causal or structured masks cannot be linearised)"
-                )
+            _require((same | full_or_empty).all(),
+                     "linear attention supports key-padding masks only; this attention mask varies across query "
+                     "rows (causal or structured masks cannot be linearised)")
         keep = pattern
     elif keep.dim() != 2:
         raise ValueError(f"unsupported attention mask shape {tuple(mask.shape)}")
+    if torch.compiler.is_compiling():
+        # Whether every key is real is a data-dependent branch; an all-real mask gives the same
+        # result as None (every use multiplies by it or masks with it), only a few ops more.
+        return keep
     return None if bool(keep.all()) else keep
 
 
@@ -100,6 +107,16 @@ def sliding_window_key_padding_mask(mask: torch.Tensor | None, half_window: int)
         raise ValueError(f"this mask of a sliding-window layer is not a bidirectional window of {half_window} tokens "
                          "each side over padded keys; linear attention cannot read it")
     return None if bool(real.all()) else real
+
+
+def _require(ok: torch.Tensor, message: str) -> None:
+    """ValueError(message) unless the bool tensor ``ok`` is True. Compiled code cannot branch on a
+    tensor's value without a graph break: there the check stays in the graph as an assertion that
+    raises (a RuntimeError with the same message) when the compiled code runs."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise ValueError(message)
 
 
 class LinearizedAttention:

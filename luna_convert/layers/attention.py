@@ -130,13 +130,20 @@ class LinearAttention(nn.Module):
                 for k, v in m.learning_rate_scales().items()}
 
     def query_features(self, q: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
-        return self.phi_q(q * self.head_dim**-0.5 if self.phi_q.prescale_query else q, context)
+        return self.phi_q(self.query_input(q), context)
+
+    def query_input(self, q: torch.Tensor) -> torch.Tensor:
+        return q * self.head_dim**-0.5 if self.phi_q.prescale_query else q
 
     def key_features(self, k: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
         return (self.phi_k or self.phi_q)(k, context)
 
     def features(self, q: torch.Tensor, k: torch.Tensor,
                  context: AttentionContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.phi_k is None and self.phi_q.context_free:
+            # One call for queries and keys: LUNA compares its cached channel tables once, or, when
+            # training, builds them once per forward instead of twice.
+            return self.phi_q.each(self.query_input(q), k)
         if context is None:  # still tell a shared map which side it is on (Performer's key stabiliser)
             context = AttentionContext(None, q.shape[2])
         return self.query_features(q, context), self.key_features(k, context.for_role("key"))
@@ -145,6 +152,11 @@ class LinearAttention(nn.Module):
         """Tokens per chunk for the streamed path, or None when all features fit comfortably at once
         (or, when gradients are needed, the map prefers to keep its own saved state)."""
         if self.phi_q is None or not self.phi_q.token_wise or self.phi_q.signed_kernel:
+            return None
+        if torch.compiler.is_compiling():
+            # The streamed path is a memory measure for eager CPU code (chunk loops, a custom backward
+            # that re-enters autograd, a context-variable scope), none of which a graph can hold; the
+            # whole-tensor path gives the same values and gradients, and compiled code fuses its temporaries.
             return None
         if training and not self.phi_q.stream_when_training:
             return None

@@ -146,6 +146,8 @@ class FeatureMap(MethodCore, abc.ABC):
                       kernel phi(q).phi(k) instead of the features
       signed_kernel   the kernel itself may be <= 0, so a row's sum phi(q)^T z may be too: the layer
                       divides by max(phi(q)^T z, eps) instead of adding eps (never streamed)
+      context_free    the map never reads its context (nor the role): a token's features depend on
+                      its own vector alone, so a shared map can take queries and keys in one call (``each``)
     """
 
     shared_qk: bool = True
@@ -154,6 +156,7 @@ class FeatureMap(MethodCore, abc.ABC):
     stream_when_training: bool = True
     signed_features: bool = False
     signed_kernel: bool = False
+    context_free: bool = False
 
     @property
     @abc.abstractmethod
@@ -163,6 +166,11 @@ class FeatureMap(MethodCore, abc.ABC):
     @abc.abstractmethod
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
         """Features of x [B, H, n, d] -> [B, H, n, D]; ``context`` describes those n tokens (may be None)."""
+
+    def each(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The features of each of ``xs`` (a context-free map's queries and keys); a map that derives
+        something from its parameters first (LUNA's channel tables) does that once for all."""
+        return tuple(self(x) for x in xs)
 
 
 class KernelAttention(MethodCore, abc.ABC):

@@ -19,6 +19,7 @@ class EluFeatureMap(FeatureMap):
     """phi(x) = elu(x) + 1, one map for q and k, no prescale."""
 
     options_class = AttentionOptions  # no options of its own
+    context_free = True
 
     @property
     def feature_dim(self) -> int:

@@ -49,6 +49,7 @@ class LLoPSFeatureMap(FeatureMap):
     """Learnable CP sketch of a degree-p polynomial kernel, self-tensored; one map for q and k (PSD kernel)."""
 
     options_class = LLoPSOptions
+    context_free = True
     signed_features = True  # sqrt(2) psi_l psi_m can be negative; the kernel <psi(q), psi(k)>^2 cannot
 
     def __init__(self, head_dim: int, num_heads: int, options: LLoPSOptions | None = None, **overrides):

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..ops.context import AttentionContext
 from .base import AttentionOptions, FeatureMap, Method, check_choice, check_positive_int, option
-from .luna_kernel import scalar_channels
+from .luna_kernel import scalar_channels_of
 from .registry import register
 
 # channel_init "exp": the channels interpolate exp(c u) on [-EXP_INIT_SPAN, EXP_INIT_SPAN].
@@ -207,6 +207,7 @@ class LunaFeatureMap(FeatureMap):
     """
 
     options_class = LunaOptions
+    context_free = True
 
     def __init__(self, head_dim: int, num_heads: int, options: LunaOptions | None = None, **overrides):
         super().__init__(head_dim, num_heads, options, **overrides)
@@ -252,9 +253,9 @@ class LunaFeatureMap(FeatureMap):
 
     @property
     def stream_when_training(self) -> bool:
-        # The channel kernel already works in cache-sized chunks and saves little for
-        # backward; recomputing it chunk by chunk costs more than it saves (16k tokens,
-        # forward + backward: 730 vs 630 ms).
+        # The channel kernel saves little for backward (u, an int16 index, its output);
+        # recomputing it chunk by chunk cost more than it saved (16k tokens, forward +
+        # backward: 730 vs 630 ms, measured with the kernel's former chunked evaluation).
         return not self.uses_kernel
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
@@ -264,12 +265,20 @@ class LunaFeatureMap(FeatureMap):
         return torch.matmul(x, self.head_proj_weight) + self.head_proj_bias
 
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
-        u = self.project(x)  # [B, H, N, M]
+        return self.each(x)[0]
+
+    def each(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The features of each of ``xs`` (queries and keys), with one set of channel tables for all."""
+        us = [self.project(x) for x in xs]  # [B, H, N, M] each
         if self.uses_kernel:
             # 1/sqrt(M) folded into the kernel's tables: no extra pass over the features.
-            feats = scalar_channels(u, self.psi, scale=1.0 / math.sqrt(self.projections))
+            channels = scalar_channels_of(self.psi, *us, scale=1.0 / math.sqrt(self.projections))
         else:
-            feats = self.psi(u) / math.sqrt(self.projections)  # [B, H, N, M, L]
+            channels = [self.psi(u) / math.sqrt(self.projections) for u in us]  # [B, H, N, M, L] each
+        return tuple(self.finish(feats, x) for feats, x in zip(channels, xs))
+
+    def finish(self, feats: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Envelope and feature norm of the channel values [B, H, N, M, L] of tokens x; -> [B, H, N, D]."""
         if self.envelope is not None:
             feats = feats * torch.sigmoid(self.envelope(x))[..., None, :]
         if self.options.feature_norm == "channel":

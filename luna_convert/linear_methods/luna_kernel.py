@@ -23,16 +23,24 @@ ordinary differentiable torch ops (a cumulative sum over the sorted knots,
 O(K L)), so autograd carries their gradients back to the parameters.
 
 Per token there is then one interval search per scalar (not per channel: the
-knots of all channels are merged) and one row gather from the [K + 1, 2L]
-table for all L outputs; nothing of size ``hidden`` is ever expanded per
-token. On the CPU the search is a grid of cells over x / (1 + |x|) with at most
-a few comparisons per cell (``torch.searchsorted`` costs ~50 ns a scalar there);
-elsewhere it is ``torch.searchsorted``. The per-token part is a custom autograd
-function whose backward needs only per-interval sums of ``g`` and ``g * u`` (a
-histogram over the interval index, ``index_add_``) plus ``g * slope`` for u. It
-saves u, the int16 interval index and its own output (which the linear
-attention downstream keeps alive anyway), never N x M x L x hidden values, and
-works in cache-sized chunks of tokens.
+knots of all channels are merged) and one row gather from each of the
+[K + 1, L] slope and intercept tables for all L outputs; nothing of size
+``hidden`` is ever expanded per token. On the CPU the search is a grid of cells
+over x / (1 + |x|) with at most a few comparisons per cell
+(``torch.searchsorted`` costs ~50 ns a scalar there); elsewhere, and in
+compiled code, it is ``torch.searchsorted``.
+The per-token part is a custom autograd function whose backward needs only
+per-interval sums of ``g`` and ``g * u`` (a histogram over the interval index,
+``index_add_``) plus ``g * slope`` for u. It saves u, the int16 interval index
+and its own output (which the linear attention downstream keeps alive anyway),
+never N x M x L x hidden values.
+
+Every step is a handful of whole-tensor ops: no Python loop over tokens,
+projections, channels or knots, so the number of operator calls per call is the
+same at any size (tests/test_compile.py counts them) and ``torch.compile``
+captures it in one graph. Compiled code builds the tables on every call (the
+cache below compares parameter values, a data-dependent branch) and searches
+with ``torch.searchsorted`` (the grid's size depends on the knots' values).
 
 Numerics: tables are built in float64, evaluation runs in float32 (float64
 for float64 inputs) with autocast disabled, and the result has the input's
@@ -52,10 +60,6 @@ import torch
 from ..ops.dtypes import accumulation_dtype
 from ..ops.streamed import current_recompute_scope
 
-# Scalars (tokens x heads x projections) per chunk on the CPU: a chunk's
-# [chunk, 2L] gathered pieces and [chunk, L] output stay in the L2 cache.
-CPU_CHUNK = 1 << 14
-GPU_CHUNK = 1 << 22
 # Grid locator: at most this many knots may share a cell (else a finer grid, then searchsorted).
 MAX_KNOTS_PER_CELL = 4
 MAX_CELLS = 1 << 17
@@ -64,14 +68,23 @@ TABLES_KEY = "luna-channel-tables"
 
 
 def channel_tables(psi, dtype: torch.dtype = torch.float64, scale: float = 1.0):
+    """Knots and per-interval affine pieces of the channel bank ``psi``: ``(knots, slope, intercept)``,
+    the two halves of :func:`piecewise_table`'s table."""
+    knots, table = piecewise_table(psi, dtype, scale)
+    channels = table.shape[1] // 2
+    return knots, table[:, :channels].contiguous(), table[:, channels:].contiguous()
+
+
+def piecewise_table(psi, dtype: torch.dtype = torch.float64, scale: float = 1.0):
     """Knots and per-interval affine pieces of the channel bank ``psi``.
 
-    Returns ``(knots [K], slope [K + 1, L], intercept [K + 1, L])`` in ``dtype``
-    with K = rows * hidden; ``knots`` is sorted ascending (constant units sit
-    at +inf at the end) and interval k is ``knots[k-1] < u <= knots[k]``, the
-    index ``torch.searchsorted(knots, u)`` returns. slope and intercept are
-    differentiable functions of ``psi``'s parameters and include the factor
-    ``scale`` (which must be > 0 so that relu commutes with it).
+    Returns ``(knots [K], table [K + 1, 2L])`` in ``dtype`` with K = rows * hidden;
+    row k of the table is ``[slope | intercept]`` of every channel on interval k.
+    ``knots`` is sorted ascending (constant units sit at +inf at the end) and
+    interval k is ``knots[k-1] < u <= knots[k]``, the index
+    ``torch.searchsorted(knots, u)`` returns. The table is a differentiable
+    function of ``psi``'s parameters and includes the factor ``scale`` (which
+    must be > 0 so that relu commutes with it).
 
     Below every knot the active units are the decreasing ones (w1 < 0) and the
     constant ones with b1 > 0; crossing a knot switches on its unit if w1 > 0
@@ -92,21 +105,17 @@ def channel_tables(psi, dtype: torch.dtype = torch.float64, scale: float = 1.0):
         knots, order = knot.flatten().sort()
         first = ((sign < 0) | (~moving & (b1 > 0))).to(dtype).flatten()  # active below every knot
         step = sign.flatten()[order]  # +1 switches on, -1 off, 0 never changes
-    # Contribution of unit (r, h) to channel l: [rows * hidden, L]; block diagonal unless shared.
-    wa, wc = w2 * w1, w2 * b1  # [L, hidden]
+    # Contribution of unit (r, h) to the slope and the intercept of channel l: [rows * hidden, 2L]
+    # (slopes first), block diagonal unless shared.
+    contribution = torch.stack([w2 * w1, w2 * b1], -1)  # [L, hidden, 2]
     if rows == 1:
-        unit_a, unit_c = wa.T, wc.T
+        unit = contribution.permute(1, 2, 0).reshape(hidden, 2 * channels)
     else:
         eye = torch.eye(channels, dtype=dtype, device=w1.device)
-        unit_a = (wa[:, :, None] * eye[:, None, :]).reshape(rows * hidden, channels)
-        unit_c = (wc[:, :, None] * eye[:, None, :]).reshape(rows * hidden, channels)
-    tables = []
-    for unit, offset in ((unit_a, None), (unit_c, b2)):
-        base = first @ unit if offset is None else first @ unit + offset  # [L]
-        steps = unit.index_select(0, order) * step[:, None]
-        tables.append(torch.cat([base[None], base + torch.cumsum(steps, 0)], 0) * scale)
-    slope, intercept = tables
-    return knots, slope.contiguous(), intercept.contiguous()
+        unit = (contribution[..., None] * eye[:, None, None, :]).reshape(rows * hidden, 2 * channels)
+    base = first @ unit + torch.cat([torch.zeros_like(b2), b2])  # [2L]
+    steps = unit.index_select(0, order) * step[:, None]
+    return knots, torch.cat([base[None], base + torch.cumsum(steps, 0)], 0) * scale
 
 
 def _grid_cell(x: torch.Tensor, cells: int) -> torch.Tensor:
@@ -120,7 +129,7 @@ def _grid_cell(x: torch.Tensor, cells: int) -> torch.Tensor:
     v = x.abs().clamp_(max=1e30).add_(1)
     v = torch.div(x, v, out=v)
     v.add_(1).mul_(cells / 2).clamp_(0, cells - 1).nan_to_num_(0.0)
-    return v.to(torch.int64)
+    return v.to(torch.int32)
 
 
 class KnotLocator:
@@ -140,7 +149,7 @@ class KnotLocator:
         # Knots at +inf (constant units) are never below any u: leave them out.
         kf = knots[knots != float("inf")]
         if kf.numel() == 0:
-            self.cells, self.start = 1, torch.zeros(1, dtype=torch.int64, device=knots.device)
+            self.cells, self.start = 1, torch.zeros(1, dtype=torch.int32, device=knots.device)
             return
         cells = max(1024, 1 << math.ceil(math.log2(8 * kf.numel())))
         while True:
@@ -158,82 +167,59 @@ class KnotLocator:
         slot = torch.arange(sorted_cell.numel(), device=knots.device) - first[sorted_cell]
         kpad = torch.full((most, cells), float("inf"), dtype=knots.dtype, device=knots.device)
         kpad[slot, sorted_cell] = kf[order]
-        self.cells, self.start, self.kpad = cells, first, list(kpad.unbind(0))
+        # int32: index_select takes it as fast as int64 and it halves the index's memory.
+        self.cells, self.start, self.kpad = cells, first.to(torch.int32), list(kpad.unbind(0))
 
     def __call__(self, u: torch.Tensor) -> torch.Tensor:
-        """int64 interval index of every element of the 1-D tensor u."""
+        """int32 interval index of every element of the 1-D tensor u."""
         if self.start is None:
-            return torch.searchsorted(self.knots, u)
+            return torch.searchsorted(self.knots, u, out_int32=True)
         cell = _grid_cell(u, self.cells)
         index = self.start.index_select(0, cell)
+        # At most MAX_KNOTS_PER_CELL passes, whatever the sizes; one gather of 1-D rows each
+        # (2x faster than gathering [cells, most] rows at once, CPU, measured).
         for kp in self.kpad:
             index += u > kp.index_select(0, cell)
         return index
 
 
 class _PiecewiseLinearReLU(torch.autograd.Function):
-    """out[..., l] = relu(slope[i, l] * u + intercept[i, l]) with i = searchsorted(knots, u), per element of u.
+    """out[..., l] = relu(slope[i, l] * u + intercept[i, l]) per element of u, i its interval ``index``.
 
-    Saves u, the interval index (int16/int32) and the output; the backward
-    turns the output gradient into per-interval sums of g and g * u
-    (``index_add_``), which autograd then carries back to the parameters
-    through the table construction.
+    Saves u, the interval index (int16 where the tables are short enough) and
+    the output; the backward turns the output gradient into per-interval sums
+    of g * u and g (``index_add_``), which autograd then carries back to the
+    parameters through the table construction.
     """
 
     @staticmethod
-    def forward(ctx, u, slope, intercept, locate, out_dtype, chunk, track):
-        n, channels = u.numel(), slope.shape[1]
-        flat_u = u.reshape(-1)
-        table = torch.cat([slope, intercept], 1)  # [K+1, 2L]
-        out = torch.empty((*u.shape, channels), dtype=out_dtype, device=u.device)
-        flat_out = out.view(n, channels)
-        index_dtype = torch.int16 if table.shape[0] <= torch.iinfo(torch.int16).max else torch.int32
-        saved_index = torch.empty(n if track else 0, dtype=index_dtype, device=u.device)
-        same = out_dtype == u.dtype
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            uc = flat_u[s:e]
-            index = locate(uc)
-            if track:
-                saved_index[s:e] = index
-            piece = table.index_select(0, index).view(-1, 2, channels)
-            if same:
-                oc = flat_out[s:e]
-                torch.addcmul(piece[:, 1], uc[:, None], piece[:, 0], out=oc)
-                oc.relu_()
-            else:
-                flat_out[s:e] = torch.addcmul(piece[:, 1], uc[:, None], piece[:, 0]).relu_()
-        ctx.chunk = chunk
+    def forward(ctx, u, index, slope, intercept, out_dtype, track):
+        shape, flat = (*u.shape, slope.shape[1]), index.reshape(-1)
+        # Two [.., L] gathers rather than one [.., 2L] of [slope | intercept]: each half the size, under
+        # the 32 MiB above which glibc maps fresh pages for every buffer (4096 tokens x 12 heads x 64).
+        out = intercept.index_select(0, flat).view(shape)
+        out = out.addcmul_(slope.index_select(0, flat).view(shape), u[..., None]).relu_().to(out_dtype)
         if track:
-            ctx.save_for_backward(u, saved_index, slope, out)
+            short = slope.shape[0] <= torch.iinfo(torch.int16).max
+            ctx.save_for_backward(u, index.to(torch.int16) if short else index, slope, out)
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        u, saved_index, slope, out = ctx.saved_tensors
-        need_u, need_slope, need_intercept = ctx.needs_input_grad[:3]
-        need_table = need_slope or need_intercept
-        n, channels = u.numel(), slope.shape[1]
-        flat_u, flat_out = u.reshape(-1), out.view(n, channels)
-        flat_grad = grad_out.reshape(n, channels)  # a copy only if the caller's gradient is oddly strided
-        grad_u = torch.empty_like(u) if need_u else None
-        flat_grad_u = grad_u.view(-1) if need_u else None
-        grad_table = torch.zeros((slope.shape[0], 2 * channels), dtype=u.dtype, device=u.device) if need_table else None
-        both = torch.empty((min(ctx.chunk, n), 2, channels), dtype=u.dtype, device=u.device) if need_table else None
-        for s in range(0, n, ctx.chunk):
-            e = min(s + ctx.chunk, n)
-            uc, index = flat_u[s:e], saved_index[s:e].long()
-            g = torch.ops.aten.threshold_backward(flat_grad[s:e].to(u.dtype), flat_out[s:e].to(u.dtype), 0)  # [c, L]
-            if need_u:
-                flat_grad_u[s:e] = (g * slope.index_select(0, index)).sum(-1)
-            if need_table:
-                x = both[: e - s]
-                torch.mul(g, uc[:, None], out=x[:, 0])
-                x[:, 1] = g
-                grad_table.index_add_(0, index, x.view(-1, 2 * channels))
-        grad_slope = grad_table[:, :channels] if need_slope else None
-        grad_intercept = grad_table[:, channels:] if need_intercept else None
-        return grad_u, grad_slope, grad_intercept, None, None, None, None
+        u, index, slope, out = ctx.saved_tensors
+        need_u, need_slope, need_intercept = ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4]
+        channels = slope.shape[1]
+        flat = index.reshape(-1).long()  # index_add_ is ~8x slower with an int32 index (CPU, measured)
+        g = torch.ops.aten.threshold_backward(grad_out.to(u.dtype), out.to(u.dtype), 0)  # [..., L]
+        grad_u = grad_slope = grad_intercept = None
+        if need_u:
+            grad_u = torch.linalg.vecdot(g, slope.index_select(0, flat).view_as(g))
+        if need_slope:
+            grad_slope = torch.zeros_like(slope).index_add_(0, flat, (g * u[..., None]).reshape(-1, channels))
+        if need_intercept:
+            grad_intercept = torch.zeros_like(slope).index_add_(0, flat, g.reshape(-1, channels))
+        return grad_u, None, grad_slope, grad_intercept, None, None
 
 
 class _CachedTables:
@@ -261,30 +247,52 @@ _TABLE_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def _build_prepared(psi, compute: torch.dtype, scale: float, device: torch.device):
     """((slope, intercept), locator) in ``compute`` dtype, built now (differentiable when recording)."""
     table_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-    knots, slope, intercept = channel_tables(psi, table_dtype, scale)
-    return ((slope.to(compute).contiguous(), intercept.to(compute).contiguous()),
-            KnotLocator(knots.to(compute), use_grid=device.type == "cpu"))
+    knots, table = piecewise_table(psi, table_dtype, scale)
+    knots, table = knots.to(compute), table.to(compute)
+    # The grid's cell count depends on the knots' values: compiled code takes searchsorted instead.
+    use_grid = device.type == "cpu" and not torch.compiler.is_compiling()
+    if use_grid:
+        knots, table = _distinct_knots(knots, table)
+    channels = table.shape[1] // 2
+    return (table[:, :channels].contiguous(), table[:, channels:].contiguous()), KnotLocator(knots, use_grid)
+
+
+def _distinct_knots(knots: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct finite knots, and the table's rows for the intervals between them.
+
+    Tied knots bound empty intervals that no u falls into, so the table only needs the row after
+    each distinct knot; without the ties no grid cell has to hold several copies of one knot
+    (``channel_init`` "exp" puts every channel's knots at the same points: L-fold ties, and for
+    L > ``MAX_KNOTS_PER_CELL`` the grid would give up for searchsorted). A data-dependent size:
+    eager code only.
+    """
+    distinct, counts = torch.unique_consecutive(knots[knots != float("inf")], return_counts=True)
+    rows = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])  # knots below each interval
+    return distinct, table.index_select(0, rows)
 
 
 def _prepared(psi, compute: torch.dtype, scale: float, device: torch.device):
-    """(slope, intercept, locator) in ``compute`` dtype, from the cache when that is safe."""
+    """((slope, intercept), locator) in ``compute`` dtype, from the cache when that is safe."""
+    if torch.compiler.is_compiling():
+        # Built in the graph on every call: the cache's look-up compares parameter values (a
+        # data-dependent branch), and compiled code never runs inside a streamed backward's scope
+        # (``LinearAttention.stream_chunk`` keeps compiled calls off the streamed path).
+        return _build_prepared(psi, compute, scale, device)
     params = (psi.w1, psi.b1, psi.w2, psi.b2)
     recording = torch.is_grad_enabled() and any(p.requires_grad for p in params)
     if recording:
         scope = current_recompute_scope()
         if scope is None:
-            (slope, intercept), locate = _build_prepared(psi, compute, scale, device)
-        else:  # inside a streamed backward: one set of tables (and one locator) for all its chunks
-            (slope, intercept), locate = scope.shared((TABLES_KEY, id(psi), compute, scale, device),
-                                                      lambda: _build_prepared(psi, compute, scale, device))
-        return slope, intercept, locate
+            return _build_prepared(psi, compute, scale, device)
+        # inside a streamed backward: one set of tables (and one locator) for all its chunks
+        return scope.shared((TABLES_KEY, id(psi), compute, scale, device),
+                            lambda: _build_prepared(psi, compute, scale, device))
     # Comparing the ~1.5k parameter values costs 6 us; building the tables 0.33 ms (defaults, CPU, measured).
     key = (compute, scale, device)
     hit = _TABLE_CACHE.get(psi)
     if hit is not None and hit.fits(key, params):
         return hit.prepared
-    (slope, intercept), locate = _build_prepared(psi, compute, scale, device)
-    prepared = (slope, intercept, locate)
+    prepared = _build_prepared(psi, compute, scale, device)
     _TABLE_CACHE[psi] = _CachedTables(key, params, prepared)
     return prepared
 
@@ -296,9 +304,20 @@ def scalar_channels(u: torch.Tensor, psi, scale: float = 1.0) -> torch.Tensor:
     Computes in float32 (float64 for float64 input) with autocast off and
     returns u's dtype. ``scale`` (> 0) is folded into the tables for free.
     """
-    compute = accumulation_dtype(u)
-    chunk = CPU_CHUNK if u.device.type == "cpu" else GPU_CHUNK
-    with torch.autocast(device_type=u.device.type, enabled=False):
-        slope, intercept, locate = _prepared(psi, compute, float(scale), u.device)
-        track = torch.is_grad_enabled() and (u.requires_grad or slope.requires_grad or intercept.requires_grad)
-        return _PiecewiseLinearReLU.apply(u.to(compute).contiguous(), slope, intercept, locate, u.dtype, chunk, track)
+    return scalar_channels_of(psi, u, scale=scale)[0]
+
+
+def scalar_channels_of(psi, *us: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+    """``scalar_channels`` of each of ``us`` (one device), with one set of tables for all: when a
+    gradient is recorded the tables are built in every call (LUNA's queries and keys share one)."""
+    compute = accumulation_dtype(*us)
+    device = us[0].device
+    with torch.autocast(device_type=device.type, enabled=False):
+        (slope, intercept), locate = _prepared(psi, compute, float(scale), device)
+        out = []
+        for u in us:
+            x = u.to(compute).contiguous()
+            index = locate(x.detach().reshape(-1)).view(x.shape)  # the interval of every scalar
+            track = torch.is_grad_enabled() and (u.requires_grad or slope.requires_grad or intercept.requires_grad)
+            out.append(_PiecewiseLinearReLU.apply(x, index, slope, intercept, u.dtype, track))
+        return tuple(out)

@@ -20,6 +20,7 @@ class ReluFeatureMap(FeatureMap):
     """phi(x) = relu(x), one map for q and k, no prescale (ReLU is homogeneous: a scale cancels)."""
 
     options_class = AttentionOptions  # no options of its own
+    context_free = True
 
     @property
     def feature_dim(self) -> int:

@@ -31,6 +31,7 @@ class T2RFeatureMap(FeatureMap):
     """phi(x) = ReLU(W x + b) with nn.Linear's default init."""
 
     options_class = T2ROptions
+    context_free = True
     prescale_query = True
 
     def __init__(self, head_dim: int, num_heads: int, options: T2ROptions | None = None, **overrides):

@@ -48,6 +48,7 @@ class TaylorFeatureMap(FeatureMap):
     """
 
     options_class = TaylorOptions
+    context_free = True
     signed_features = True  # x can be negative; the kernel 1 + s + s^2/2 is >= 1/2 all the same
 
     def __init__(self, head_dim: int, num_heads: int, options: TaylorOptions | None = None, **overrides):

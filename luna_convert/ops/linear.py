@@ -26,35 +26,43 @@ class _LinearAttentionCore(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, eps, clamp):
-        kv_t = torch.matmul(v.transpose(-1, -2), phi_k)  # S^T [B, H, d, D]
-        z = phi_k.sum(dim=-2, keepdim=True)  # [B, H, 1, D]
-        den = torch.matmul(phi_q, z.transpose(-1, -2))  # [B, H, N, 1]
+        # One batch axis (B * H) and torch.bmm, which takes transposed operands as they are:
+        # 4-D torch.matmul would expand, copy and reshape around every product.
+        lead = torch.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
+        phi_q, phi_k, v = (t.reshape(-1, *t.shape[-2:]) if t.shape[:-2] == lead
+                           else t.expand(*lead, *t.shape[-2:]).reshape(-1, *t.shape[-2:]) for t in (phi_q, phi_k, v))
+        kv_t = torch.bmm(v.transpose(1, 2), phi_k)  # S^T [BH, d, D]
+        z = phi_k.sum(dim=1, keepdim=True)  # [BH, 1, D]
+        den = torch.bmm(phi_q, z.transpose(1, 2))  # [BH, N, 1]
         if clamp:  # 1 / max(phi_q z, eps); where clamped, the denominator passes no gradient
             unclamped = den > eps
             r = den.clamp_min_(eps).reciprocal_()
         else:  # 1 / (phi_q z + eps)
             unclamped = None
             r = den.add_(eps).reciprocal_()
-        out = torch.matmul(phi_q, kv_t.transpose(-1, -2)).mul_(r)  # [B, H, N, d]
+        out = torch.bmm(phi_q, kv_t.transpose(1, 2)).mul_(r)  # [BH, N, d]
         ctx.save_for_backward(phi_q, phi_k, v, kv_t, z, r, unclamped)
-        return out
+        ctx.lead = lead
+        return out.view(*lead, *out.shape[1:])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         phi_q, phi_k, v, kv_t, z, r, unclamped = ctx.saved_tensors
-        grad_num = grad_out * r  # d loss / d (phi_q S)   [B, H, N, d]
-        grad_q = torch.matmul(grad_num, kv_t)  # its part of phi_q's gradient   [B, H, N, D]
+        lead = ctx.lead
+        grad_num = grad_out.reshape(r.shape[0], *grad_out.shape[-2:]) * r  # d loss / d (phi_q S)   [BH, N, d]
+        grad_q = torch.bmm(grad_num, kv_t)  # its part of phi_q's gradient   [BH, N, D]
         # d loss / d (phi_q z) = -(grad_out . out) r, and grad_out . out = (grad_num S^T) . phi_q
-        grad_den = torch.linalg.vecdot(grad_q, phi_q).unsqueeze_(-1).mul_(r).neg_()  # [B, H, N, 1]
+        grad_den = torch.linalg.vecdot(grad_q, phi_q).unsqueeze_(-1).mul_(r).neg_()  # [BH, N, 1]
         if unclamped is not None:
             grad_den.mul_(unclamped)
         grad_q.addcmul_(grad_den, z)
-        grad_kv_t = torch.matmul(grad_num.transpose(-1, -2), phi_q)  # [B, H, d, D]
-        grad_z = torch.matmul(grad_den.transpose(-1, -2), phi_q)  # [B, H, 1, D]
-        grad_k = torch.matmul(v, grad_kv_t).add_(grad_z) if ctx.needs_input_grad[1] else None
-        grad_v = torch.matmul(phi_k, grad_kv_t.transpose(-1, -2)) if ctx.needs_input_grad[2] else None
-        return grad_q if ctx.needs_input_grad[0] else None, grad_k, grad_v, None, None
+        grad_kv_t = torch.bmm(grad_num.transpose(1, 2), phi_q)  # [BH, d, D]
+        grad_z = torch.bmm(grad_den.transpose(1, 2), phi_q)  # [BH, 1, D]
+        grad_k = torch.bmm(v, grad_kv_t).add_(grad_z).view(*lead, *phi_k.shape[1:]) if ctx.needs_input_grad[1] else None
+        grad_v = torch.bmm(phi_k, grad_kv_t.transpose(1, 2)).view(*lead, *v.shape[1:]) if ctx.needs_input_grad[2] else None
+        grad_q = grad_q.view(*lead, *phi_q.shape[1:]) if ctx.needs_input_grad[0] else None
+        return grad_q, grad_k, grad_v, None, None
 
 
 def linear_attention_core(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float,

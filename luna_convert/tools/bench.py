@@ -10,8 +10,9 @@ One entry point, :func:`run_benchmark`. It measures
    feature map and defaults (plus ``luna-nodwc``, LUNA's feature maps and
    linear attention without the DWC branch). For each
    sequence length: forward time (no grad), forward+backward time (q, k, v and
-   the layer's parameters get gradients), and the peak tensor memory of each;
-   the log-log slope of time against N between N = 1024 and 16384.
+   the layer's parameters get gradients), the peak tensor memory of each, and the
+   aten operator calls of one forward (``tools.op_count``: what sets the time of
+   small inputs); the log-log slope of time against N between N = 1024 and 16384.
 2. **whole models**, original vs converted (``luna_convert.convert``), random
    init: ViT-B/16 (``transformers.ViTConfig`` base sizes) inference at several
    image sizes, BERT-base (``BertConfig`` base, ``max_position_embeddings``
@@ -53,6 +54,7 @@ from ..fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
 from ..conversion import convert
 from ..layers.attention import LinearAttention
 from ..linear_methods import METHODS
+from .op_count import AtenOpCounter
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 QUICK_LENGTHS = (128, 256)
@@ -175,6 +177,13 @@ def peak_memory(fns: dict[str, Callable[[], object]], device, setup: Callable[[s
     return peaks
 
 
+def forward_ops(fn: Callable[[], object]) -> int:
+    """aten operator calls of one run of ``fn`` (after the runs already timed: caches are warm)."""
+    with AtenOpCounter() as ops:
+        fn()
+    return ops.total
+
+
 def _median_ms(times: Sequence[float]) -> float:
     return 1000.0 * statistics.median(times)
 
@@ -272,7 +281,8 @@ def bench_layers(lengths: Sequence[int], methods: Sequence[str], device, repeats
             zero(here[0])
         for m in here:
             row = {"method": m, "n": n, "fwd_ms": _median_ms(fwd[m]), "fwd_bwd_ms": _median_ms(fb[m]),
-                   "fwd_runs_ms": [1000 * t for t in fwd[m]], "fwd_bwd_runs_ms": [1000 * t for t in fb[m]]}
+                   "fwd_runs_ms": [1000 * t for t in fwd[m]], "fwd_bwd_runs_ms": [1000 * t for t in fb[m]],
+                   "fwd_ops": forward_ops(forward(layers[m]))}
             if memory:
                 row["fwd_peak_mb"] = peaks[(m, "fwd")] / 2**20
                 row["fwd_bwd_peak_mb"] = peaks[(m, "fwd_bwd")] / 2**20
@@ -486,6 +496,15 @@ def _print_tables(results: dict, console) -> None:
             slope_key = key.replace("_ms", "")
             table.add_row("slope", *[f"{s:.2f}" if (s := layers['slopes'][m].get(slope_key)) is not None else "-" for m in methods])
             console.print(table)
+        if any("fwd_ops" in r for r in layers["results"]):
+            table = Table(title="Attention layer aten operator calls per forward (no grad)")
+            table.add_column("N", justify="right")
+            for m in methods:
+                table.add_column(m, justify="right")
+            for n in lengths:
+                table.add_row(str(n), *[str(by[(m, n)]["fwd_ops"]) if "fwd_ops" in by.get((m, n), {}) else "-"
+                                        for m in methods])
+            console.print(table)
         if any("fwd_bwd_peak_mb" in r for r in layers["results"]):
             table = Table(title="Attention layer peak tensor memory, MiB: forward (no grad) / forward+backward")
             table.add_column("N", justify="right")
@@ -542,6 +561,13 @@ def markdown_tables(results: dict) -> str:
             slope_key = key.replace("_ms", "")
             cells = [f"{s:.2f}" if (s := layers["slopes"][m].get(slope_key)) is not None else "-" for m in methods]
             lines += ["| log-log slope | " + " | ".join(cells) + " |", ""]
+        if any("fwd_ops" in r for r in layers["results"]):
+            lines += ["**Attention layer, aten operator calls per forward (no grad)**", "",
+                      "| N | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
+            for n in lengths:
+                cells = [str(by[(m, n)]["fwd_ops"]) if "fwd_ops" in by.get((m, n), {}) else "-" for m in methods]
+                lines.append(f"| {n} | " + " | ".join(cells) + " |")
+            lines.append("")
         if any("fwd_bwd_peak_mb" in r for r in layers["results"]):
             lines += ["**Attention layer, peak tensor memory: forward / forward + backward, MiB**", "",
                       "| N | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]

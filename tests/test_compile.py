@@ -1,0 +1,193 @@
+"""torch.compile on converted models, and how many operator calls a converted attention issues.
+
+1. Every method's converted attention compiles without a graph break (``torch._dynamo.explain``)
+   in a tiny BERT (eval and train mode) and, for a few methods, in tiny ViTs.
+2. Inductor's compiled model gives eager's outputs (luna, t2r, hedgehog), and a compiled LUNA
+   training step eager's gradients.
+3. A converted attention's forward issues few aten operator calls (``tools.op_count``), and as many
+   at N = 64 as at N = 256 (for LUNA also at other M, L and knot counts): no Python loop over
+   tokens, projections, channels or knots.
+
+The models have one layer: graph breaks and operator calls are per layer, and Inductor compiles
+one layer in seconds (the first compile of a process pays ~30 s for Inductor's own warm-up).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from luna_convert.adapters.base import LinearizedAttention
+from luna_convert.conversion import convert
+from luna_convert.linear_methods import methods
+from luna_convert.tools.op_count import AtenOpCounter
+
+from conftest import VOCAB, example_inputs, logits_of, make_bert, make_hf_vit, make_timm_vit, seed_everything
+
+METHODS = sorted(methods())
+
+
+def graph_breaks(model: nn.Module, inputs: dict, train: bool):
+    """``torch._dynamo.explain`` of the model's forward (with gradients recorded in train mode)."""
+    torch._dynamo.reset()
+    model.train(train)
+    with torch.set_grad_enabled(train):
+        return torch._dynamo.explain(lambda batch: logits_of(model, batch))(inputs)
+
+
+def break_reasons(explanation) -> list[str]:
+    return [f"{b.reason.splitlines()[0]} at {b.user_stack[-1].filename}:{b.user_stack[-1].lineno}"
+            if b.user_stack else b.reason.splitlines()[0] for b in explanation.break_reasons]
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("method", METHODS)
+def test_converted_bert_compiles_without_graph_breaks(method, train):
+    model = make_bert(layers=1)
+    convert(model, method)
+    explanation = graph_breaks(model, example_inputs("hf-bert"), train)  # a padded batch: the key mask path
+    assert explanation.graph_break_count == 0, break_reasons(explanation)
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("method, arch, train", [
+    *[("luna", arch, train) for arch in ("hf-vit", "timm-vit") for train in (False, True)],  # spatial DWC
+    ("cosformer", "timm-vit", False),  # reads the prefix tokens
+    ("hedgehog", "hf-vit", True),  # two maps
+])
+def test_converted_vit_compiles_without_graph_breaks(method, arch, train):
+    model = make_hf_vit(layers=1) if arch == "hf-vit" else make_timm_vit()
+    convert(model, method)
+    explanation = graph_breaks(model, example_inputs(arch), train)
+    assert explanation.graph_break_count == 0, break_reasons(explanation)
+
+
+def perturbed(model: nn.Module) -> nn.Module:
+    """Non-trivial added weights (LUNA's DWC branch starts at zero)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "linear_attn" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def inductor_unavailable() -> str | None:
+    """Why Inductor cannot compile on this machine's CPU, or None. It needs a C++ compiler."""
+    if not any(shutil.which(c) for c in (os.environ.get("CXX", "c++"), "g++", "clang++")):
+        return "Inductor needs a C++ compiler (c++, g++ or clang++ on PATH, or CXX)"
+    return None
+
+
+@pytest.mark.parametrize("method", ["luna", "t2r", "hedgehog"])
+def test_inductor_matches_eager(method):
+    if (reason := inductor_unavailable()) is not None:
+        pytest.skip(reason)
+    model = perturbed(make_bert(layers=1))
+    convert(model, method)
+    perturbed(model)
+    inputs = example_inputs("hf-bert")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="inductor")
+    with torch.no_grad():
+        expected, got = logits_of(model, inputs), logits_of(compiled, inputs)
+    # measured 1.2e-7 (luna), 4.2e-7 (t2r), 2.4e-7 (hedgehog) on logits up to 1.6: fused float32 arithmetic
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
+
+
+def test_compiled_luna_training_step_gives_eager_gradients():
+    """Forward and backward through the compiled graph: LUNA's channel kernel, the DWC branch and the
+    linear-attention core are custom autograd functions, traced with their backwards."""
+    model = make_bert(layers=1)
+    convert(model, "luna")
+    perturbed(model).train()
+    inputs = example_inputs("hf-bert")
+    labels = torch.tensor([0, 2])
+    torch._dynamo.reset()
+    grads = []
+    for runner in (model, torch.compile(model, backend="aot_eager")):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(logits_of(runner, inputs), labels).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("psi" in n for n in grads[0])
+    for name in grads[0]:
+        # measured 0 (the same eager kernels run inside the aot_eager graph)
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# --------------------------------------------------------------------------- operator calls
+def converted_attention(method: str, tokens: int, **options):
+    """The converted self-attention of a one-layer BERT (hidden 64, 4 heads, first row 5 pads) and the
+    arguments the model calls it with (so the mask has this transformers version's form)."""
+    from transformers import BertConfig, BertModel
+
+    seed_everything()
+    config = BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
+                        vocab_size=VOCAB, max_position_embeddings=256, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    model = BertModel(config).eval()
+    convert(model, method, **options)
+    attention = next(m for m in model.modules() if isinstance(m, LinearizedAttention))
+    ids = torch.randint(1, VOCAB, (2, tokens))
+    mask = torch.ones(2, tokens, dtype=torch.long)
+    mask[0, -5:] = 0
+    seen = {}
+    hook = attention.register_forward_pre_hook(lambda _, args, kwargs: seen.update(args=args, kwargs=kwargs),
+                                               with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    hook.remove()
+    return attention, seen["args"], seen["kwargs"]
+
+
+def ops_per_forward(method: str, tokens: int, train: bool = False, **options) -> AtenOpCounter:
+    """aten calls of one forward of the converted attention, its q/k/v projections left out.
+    Eval: the second call (LUNA's channel tables are cached between no-grad calls); train: with
+    gradients recorded (the tables are built in every forward)."""
+    attention, args, kwargs = converted_attention(method, tokens, **options)
+    projections = [m for m in attention.children() if isinstance(m, nn.Linear)]
+    attention.train(train)
+    with torch.set_grad_enabled(train):
+        if not train:
+            attention(*args, **kwargs)
+        with AtenOpCounter(skip=projections) as ops:
+            attention(*args, **kwargs)
+    return ops
+
+
+# aten calls per eval forward, projections excluded, measured with transformers 4.57, whose float
+# [B, 1, N, N] sdpa mask takes 6 calls more to read than 5.x's bool one (5.x: 6 fewer each). Views
+# count; about 20 calls of each method are the key-padding mask's reading and checks, 20 the
+# linear-attention core. luna: 147 (before: 173 at N = 64, 223 at N = 256: its channel kernel looped
+# over chunks of scalars); sorting: a sort, two scans and their carries.
+MEASURED_OPS = {"cosformer": 93, "ela": 74, "elu": 59, "flexformer": 103, "hedgehog": 89, "llops": 107, "luna": 147,
+                "performer": 94, "relu": 57, "sorting": 260, "taylor": 75, "t2r": 68, "t2r-hh": 68}
+OP_SLACK = 1.1
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_operator_calls_per_forward_are_few_and_do_not_grow_with_n(method):
+    short, long = ops_per_forward(method, 64), ops_per_forward(method, 256)
+    assert long.by_op == short.by_op, (long.by_op - short.by_op) + (short.by_op - long.by_op)
+    assert short.total <= MEASURED_OPS[method] * OP_SLACK, short.by_op.most_common(12)
+
+
+@pytest.mark.parametrize("options", [
+    {"projections": 8}, {"projections": 32}, {"channels": 4}, {"channels": 8}, {"hidden": 16}, {"hidden": 256},
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_luna_operator_calls_do_not_grow_with_projections_channels_or_knots(options):
+    base = ops_per_forward("luna", 64)
+    assert ops_per_forward("luna", 64, **options).by_op == base.by_op
+
+
+def test_luna_training_forward_builds_the_channel_tables_once():
+    """With gradients recorded LUNA builds its channel tables in every forward: once for q and k together."""
+    # measured 232 with transformers 4.57, 226 with 5.x (before: 339 and 334 at N = 64, the tables built
+    # for q and again for k, and a chunk loop)
+    short, long = ops_per_forward("luna", 64, train=True), ops_per_forward("luna", 256, train=True)
+    assert long.by_op == short.by_op
+    assert short.total <= 232 * OP_SLACK, short.by_op.most_common(12)
+    assert short.by_op["aten.sign"] == 1  # the tables' first step (torch.sign(w1)), once per forward
