@@ -187,15 +187,18 @@ def test_output_distillation_matches_the_softmax_output_and_trains_the_map():
     assert layer.phi_q.weight.grad is not None and layer.phi_q.weight.grad.abs().sum() > 0
 
 
-def test_run_distils_on_the_output_when_asked(tiny_case, tmp_path):
+@pytest.mark.parametrize("target, bound", [("output", 10), ("logits", 5)])
+def test_run_distils_on_the_chosen_target(tiny_case, tmp_path, target, bound):
+    """output: a relative error, not a cross-entropy; logits: a KL between 2-class distributions. Both small."""
     model_dir, data_dir = tiny_case
     config = config_for(model_dir, data_dir, "sst2", "hedgehog", tmp_path)
-    config["distill"]["target"] = "output"
+    config["distill"]["target"] = target
     results = run_conversion(config)
     log = [json.loads(line) for line in (Path(results["run_dir"]) / "train_log.jsonl").read_text().splitlines()]
     distil = [e["loss"] for e in log if e["stage"] == "distill"]
-    assert len(distil) == 2 and all(0 <= x < 10 for x in distil)  # a relative error, not a cross-entropy
-    assert results["config"]["distill"]["target"] == "output"
+    assert len(distil) == 2 and all(0 <= x < bound for x in distil)
+    assert "after_distillation" in results["stage_scores"]
+    assert results["config"]["distill"]["target"] == target
 
 
 def test_luna_recipe_sets_the_added_learning_rate_unless_given(tiny_case, tmp_path):
@@ -376,18 +379,6 @@ def test_softmax_logits_of_a_converted_model_are_the_original_models():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # SDPA vs the original's attention: measured 6e-7
     assert (linear - want).abs().max() > 1e-3
     assert not any(layer.run_softmax for layer in linear_attention_modules(model))
-
-
-def test_run_distils_on_the_logits_when_asked(tiny_case, tmp_path):
-    model_dir, data_dir = tiny_case
-    config = config_for(model_dir, data_dir, "sst2", "hedgehog", tmp_path)
-    config["distill"]["target"] = "logits"
-    results = run_conversion(config)
-    log = [json.loads(line) for line in (Path(results["run_dir"]) / "train_log.jsonl").read_text().splitlines()]
-    distil = [e["loss"] for e in log if e["stage"] == "distill"]
-    assert len(distil) == 2 and all(0 <= x < 5 for x in distil)  # a KL between 2-class distributions: small
-    assert "after_distillation" in results["stage_scores"]
-    assert results["config"]["distill"]["target"] == "logits"
 
 
 def test_logits_distillation_trains_only_the_maps_and_lowers_the_kl():

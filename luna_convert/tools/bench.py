@@ -496,24 +496,22 @@ def _print_tables(results: dict, console) -> None:
             slope_key = key.replace("_ms", "")
             table.add_row("slope", *[f"{s:.2f}" if (s := layers['slopes'][m].get(slope_key)) is not None else "-" for m in methods])
             console.print(table)
-        if any("fwd_ops" in r for r in layers["results"]):
-            table = Table(title="Attention layer aten operator calls per forward (no grad)")
+        def per_length_table(title: str, key: str, cell) -> None:
+            """One row per N, one column per method: ``cell(result)`` where the result has ``key``."""
+            if not any(key in r for r in layers["results"]):
+                return
+            table = Table(title=title)
             table.add_column("N", justify="right")
             for m in methods:
                 table.add_column(m, justify="right")
             for n in lengths:
-                table.add_row(str(n), *[str(by[(m, n)]["fwd_ops"]) if "fwd_ops" in by.get((m, n), {}) else "-"
-                                        for m in methods])
+                table.add_row(str(n), *[cell(by[(m, n)]) if key in by.get((m, n), {}) else "-" for m in methods])
             console.print(table)
-        if any("fwd_bwd_peak_mb" in r for r in layers["results"]):
-            table = Table(title="Attention layer peak tensor memory, MiB: forward (no grad) / forward+backward")
-            table.add_column("N", justify="right")
-            for m in methods:
-                table.add_column(m, justify="right")
-            for n in lengths:
-                table.add_row(str(n), *[f"{by[(m, n)]['fwd_peak_mb']:.0f} / {by[(m, n)]['fwd_bwd_peak_mb']:.0f}"
-                                        if (m, n) in by and "fwd_peak_mb" in by[(m, n)] else "-" for m in methods])
-            console.print(table)
+
+        per_length_table("Attention layer aten operator calls per forward (no grad)", "fwd_ops",
+                         lambda r: str(r["fwd_ops"]))
+        per_length_table("Attention layer peak tensor memory, MiB: forward (no grad) / forward+backward",
+                         "fwd_peak_mb", lambda r: f"{r['fwd_peak_mb']:.0f} / {r['fwd_bwd_peak_mb']:.0f}")
     models = results.get("models")
     if models:
         table = Table(title=f"Whole models, original vs converted ({models['method']}), ms (median)")
