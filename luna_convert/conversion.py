@@ -93,15 +93,9 @@ def resolve_options(method: str, options: dict) -> dict:
                               ) from None
 
 
-def attention_layer_names(model: nn.Module) -> list[str]:
-    """The supported self-attention modules of ``model`` in module order: layer i is the i-th name."""
-    return [name for name, module in model.named_modules() if find_adapter(module) is not None]
-
-
-def softmax_layer_names(model: nn.Module, layers: Sequence[int]) -> set[str]:
-    """The attention modules that ``keep_softmax_layers`` (indices into ``attention_layer_names``,
-    negative from the end) names; an index out of range is a ConversionError."""
-    names = attention_layer_names(model)
+def softmax_layer_names(names: list[str], layers: Sequence[int]) -> set[str]:
+    """The attention modules that ``keep_softmax_layers`` names: indices into ``names`` (the supported
+    self-attention modules in module order; negative from the end); out of range is a ConversionError."""
     bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not -len(names) <= i < len(names)]
     if bad:
         raise ConversionError(f"keep_softmax_layers {bad} out of range: the model has {len(names)} attention layers, "
@@ -133,11 +127,11 @@ def convert(
     resolved = resolve_options(method, options)
     grid = patch_grid(model)
     check_supported(model)
-    kept = softmax_layer_names(model, keep_softmax_layers)
-
-    supported = [(name, module, adapter) for name, module in model.named_modules()
-                 if (adapter := find_adapter(module)) is not None and name not in kept
-                 and (filter_fn is None or filter_fn(module, name))]
+    attention = [(name, module, adapter) for name, module in model.named_modules()
+                 if (adapter := find_adapter(module)) is not None]
+    kept = softmax_layer_names([name for name, _, _ in attention], keep_softmax_layers)
+    supported = [(name, module, adapter) for name, module, adapter in attention
+                 if name not in kept and (filter_fn is None or filter_fn(module, name))]
     kept_local = [] if convert_local_layers else [name for name, module, adapter in supported if adapter.local(module)]
     targets = [target for target in supported if target[0] not in kept_local]
     if kept and not targets:
