@@ -461,6 +461,8 @@ def bench(
     timer: str = typer.Option("wall", "--timer", help="wall, or cpu: the thread's CPU time (one thread; for a "
                               "machine shared with other work)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    background_load: int = typer.Option(0, "--background-load", min=0, help="Also time the layers while this "
+                                        "many processes multiply matrices (a busy machine), beside the idle run."),
 ) -> None:
     """Time and memory of softmax vs every method as sequence length grows."""
     from datetime import datetime
@@ -469,7 +471,7 @@ def bench(
 
     out = output_dir or Path("outputs") / f"bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     kwargs = {"models": not no_models, "quick": quick, "device": device, "repeats": repeats, "threads": threads,
-              "timer": timer}
+              "timer": timer, "background_load": background_load}
     if lengths:
         kwargs["lengths"] = _int_list(lengths, "--lengths")
     if methods:

@@ -97,3 +97,33 @@ def test_bench_cli_bad_input_writes_nothing(tmp_path):
         assert result.exit_code == 2, (args, result.output)
         assert message in " ".join(result.output.split()), (args, result.output)
         assert not out.exists()
+
+
+def test_background_load_runs_during_the_busy_timing_and_stops(tmp_path):
+    import multiprocessing
+
+    from typer.testing import CliRunner
+
+    from luna_convert.cli import app
+
+    out = tmp_path / "busy"
+    result = CliRunner().invoke(app, ["bench", "--output-dir", str(out), "--quick", "--no-models", "--lengths", "16",
+                                      "--methods", "t2r", "--background-load", "1"])
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "bench.json").read_text())
+    busy = data["layers_busy"]
+    assert busy["background"]["processes"] == 1 and busy["background"]["matmuls"] > 0  # the worker really ran
+    assert {(r["method"], r["n"]) for r in busy["results"]} == {(r["method"], r["n"]) for r in data["layers"]["results"]}
+    assert all(_positive(r["fwd_ms"]) and _positive(r["fwd_bwd_ms"]) for r in busy["results"])
+    assert "background process(es)" in (out / "bench.md").read_text()
+    assert multiprocessing.active_children() == []  # stopped and joined
+
+
+def test_background_load_refuses_a_negative_count(tmp_path):
+    import pytest
+
+    from luna_convert.errors import LunaConvertError
+
+    with pytest.raises(LunaConvertError, match="background_load must be 0 or a number of processes"):
+        run_benchmark(tmp_path / "x", lengths=(16,), methods=["t2r"], models=False, quick=True, background_load=-1)
+    assert not (tmp_path / "x").exists()

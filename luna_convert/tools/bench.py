@@ -54,6 +54,7 @@ from ..fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
 from ..conversion import convert
 from ..layers.attention import LinearAttention
 from ..linear_methods import METHODS
+from .background_load import background_load as run_background_load
 from .op_count import AtenOpCounter
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -233,7 +234,7 @@ def _layer_modules(methods: Sequence[str], device, heads: int, head_dim: int):
 def bench_layers(lengths: Sequence[int], methods: Sequence[str], device, repeats: int, warmup: int,
                  heads: int = HEADS, head_dim: int = HEAD_DIM, batch: int = BATCH, memory: bool = True,
                  eager_max_length: int = 4096, budget_s: float = 60.0, cpu_time: bool = False,
-                 log: Callable[[str], None] = print) -> dict:
+                 count_ops: bool = True, log: Callable[[str], None] = print) -> dict:
     """Attention-layer time and memory against N; ``methods`` must start with softmax.
 
     ``softmax-eager`` (if listed) runs only for N <= ``eager_max_length``. When one
@@ -281,8 +282,9 @@ def bench_layers(lengths: Sequence[int], methods: Sequence[str], device, repeats
             zero(here[0])
         for m in here:
             row = {"method": m, "n": n, "fwd_ms": _median_ms(fwd[m]), "fwd_bwd_ms": _median_ms(fb[m]),
-                   "fwd_runs_ms": [1000 * t for t in fwd[m]], "fwd_bwd_runs_ms": [1000 * t for t in fb[m]],
-                   "fwd_ops": forward_ops(forward(layers[m]))}
+                   "fwd_runs_ms": [1000 * t for t in fwd[m]], "fwd_bwd_runs_ms": [1000 * t for t in fb[m]]}
+            if count_ops:
+                row["fwd_ops"] = forward_ops(forward(layers[m]))
             if memory:
                 row["fwd_peak_mb"] = peaks[(m, "fwd")] / 2**20
                 row["fwd_bwd_peak_mb"] = peaks[(m, "fwd_bwd")] / 2**20
@@ -417,7 +419,7 @@ def bench_models(device, repeats: int, warmup: int, quick: bool = False, method:
 
 
 # --------------------------------------------------------------------------- targets, table, plot
-def _targets(layers: dict | None, models: dict | None) -> list[dict]:
+def _targets(layers: dict | None, models: dict | None, layers_busy: dict | None = None) -> list[dict]:
     """The issue's targets, evaluated on what was measured (missing data: not listed)."""
     targets: list[dict] = []
 
@@ -453,6 +455,15 @@ def _targets(layers: dict | None, models: dict | None) -> list[dict]:
                     continue
                 add(f"{m}: log-log slope of forward time, N={SLOPE_RANGE[0]}..{SLOPE_RANGE[1]}", s.get("fwd"), "<=", 1.1)
                 add(f"{m}: log-log slope of fwd+bwd time, N={SLOPE_RANGE[0]}..{SLOPE_RANGE[1]}", s.get("fwd_bwd"), "<=", 1.1)
+    if layers_busy:
+        by = {(r["method"], r["n"]): r for r in layers_busy["results"]}
+        load = f"{layers_busy['background']['processes']} background process(es)"
+        luna, t2r = by.get(("luna", 4096)), by.get(("t2r", 4096))
+        for key, what in (("fwd", "forward"), ("fwd_bwd", "fwd+bwd")):
+            if luna and t2r:
+                add(f"LUNA layer, {load}: {what} time / T2R at N=4096", luna[f"{key}_ms"] / t2r[f"{key}_ms"], "<=", 1.5)
+            add(f"LUNA layer, {load}: {what} speed-up vs softmax (SDPA) at N=4096",
+                luna and luna.get(f"{key}_speedup_vs_softmax"), ">=", 3.0)
     if models:
         m = models["method"]
         if models.get("bert_train"):
@@ -472,14 +483,17 @@ def _targets(layers: dict | None, models: dict | None) -> list[dict]:
 def _print_tables(results: dict, console) -> None:
     from rich.table import Table
 
-    layers = results.get("layers")
-    if layers:
+    for section in ("layers", "layers_busy"):
+        layers = results.get(section)
+        if not layers:
+            continue
         methods = layers["config"]["methods"]
         by = {(r["method"], r["n"]): r for r in layers["results"]}
         lengths = layers["config"]["lengths"]
         for key, title in (("fwd_ms", "forward"), ("fwd_bwd_ms", "forward+backward")):
             table = Table(title=f"Attention layer {title} time, ms (speed-up vs softmax)  "
-                                f"[{layers['config']['heads']}x{layers['config']['head_dim']}, batch {layers['config']['batch']}]")
+                                f"[{layers['config']['heads']}x{layers['config']['head_dim']}, batch {layers['config']['batch']}]"
+                                + _load_label(layers))
             table.add_column("N", justify="right")
             for m in methods:
                 table.add_column(m, justify="right")
@@ -496,6 +510,11 @@ def _print_tables(results: dict, console) -> None:
             slope_key = key.replace("_ms", "")
             table.add_row("slope", *[f"{s:.2f}" if (s := layers['slopes'][m].get(slope_key)) is not None else "-" for m in methods])
             console.print(table)
+    layers = results.get("layers")
+    if layers:
+        methods, lengths = layers["config"]["methods"], layers["config"]["lengths"]
+        by = {(r["method"], r["n"]): r for r in layers["results"]}
+
         def per_length_table(title: str, key: str, cell) -> None:
             """One row per N, one column per method: ``cell(result)`` where the result has ``key``."""
             if not any(key in r for r in layers["results"]):
@@ -537,18 +556,30 @@ def _print_tables(results: dict, console) -> None:
         console.print(table)
 
 
+def _load_label(layers: dict) -> str:
+    """Title suffix of a layer table timed under a background load ("" for the idle run)."""
+    load = layers.get("background")
+    if not load:
+        return ""
+    return (f", with {load['processes']} background process(es) multiplying {load['matmul_size']}x"
+            f"{load['matmul_size']} matrices ({load['matmuls']} products during the timing)")
+
+
 def markdown_tables(results: dict) -> str:
     """The result tables as GitHub markdown (what ``bench.md`` holds)."""
     lines: list[str] = []
     layers, models = results.get("layers"), results.get("models")
-    if layers:
-        cfg = layers["config"]
+    for section in ("layers", "layers_busy"):
+        if not results.get(section):
+            continue
+        cfg = results[section]["config"]
         methods, lengths = cfg["methods"], cfg["lengths"]
-        by = {(r["method"], r["n"]): r for r in layers["results"]}
+        by = {(r["method"], r["n"]): r for r in results[section]["results"]}
         for key, title in (("fwd_ms", "forward (no grad)"), ("fwd_bwd_ms", "forward + backward")):
             speed = "fwd_speedup_vs_softmax" if key == "fwd_ms" else "fwd_bwd_speedup_vs_softmax"
             lines += [f"**Attention layer, {title}: median ms (speed-up vs softmax SDPA)**, "
-                      f"{cfg['heads']} heads x {cfg['head_dim']}, batch {cfg['batch']}, {cfg['dtype']}", "",
+                      f"{cfg['heads']} heads x {cfg['head_dim']}, batch {cfg['batch']}, {cfg['dtype']}"
+                      + _load_label(results[section]), "",
                       "| N | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
             for n in lengths:
                 cells = []
@@ -557,8 +588,12 @@ def markdown_tables(results: dict) -> str:
                     cells.append("-" if r is None else f"{r[key]:.1f}" + (f" ({r[speed]:.1f}x)" if r.get(speed) else ""))
                 lines.append(f"| {n} | " + " | ".join(cells) + " |")
             slope_key = key.replace("_ms", "")
-            cells = [f"{s:.2f}" if (s := layers["slopes"][m].get(slope_key)) is not None else "-" for m in methods]
+            cells = [f"{s:.2f}" if (s := results[section]["slopes"][m].get(slope_key)) is not None else "-"
+                     for m in methods]
             lines += ["| log-log slope | " + " | ".join(cells) + " |", ""]
+    if layers:
+        methods, lengths = layers["config"]["methods"], layers["config"]["lengths"]
+        by = {(r["method"], r["n"]): r for r in layers["results"]}
         if any("fwd_ops" in r for r in layers["results"]):
             lines += ["**Attention layer, aten operator calls per forward (no grad)**", "",
                       "| N | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
@@ -696,6 +731,7 @@ def run_benchmark(
     bert_lengths: Sequence[int] | None = None,
     threads: int | None = None,
     timer: str = "wall",
+    background_load: int = 0,
     console=None,
 ) -> dict:
     """Measure attention layers and whole models; write ``bench.json``, ``bench.md`` and ``bench.png`` under ``output_dir``.
@@ -719,6 +755,9 @@ def run_benchmark(
     timer         "wall" (default) or "cpu": on the CPU, time the calling thread's CPU time instead of
                   the wall clock, for a machine shared with other work. Needs a single thread (implies
                   threads=1). Ignored on CUDA.
+    background_load  also time the attention layers a second time while this many processes multiply
+                  matrices on one thread each (``tools.background_load``, started and stopped here): a busy
+                  machine, reported beside the idle run as ``layers_busy`` (0: idle run only).
     console       a rich Console for progress and tables (None: a new one on stdout).
 
     Returns the results dict that is also written to ``bench.json``: ``meta``, ``layers``
@@ -753,6 +792,8 @@ def run_benchmark(
     def log(msg: str) -> None:
         console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}", highlight=False)
 
+    if isinstance(background_load, bool) or not isinstance(background_load, int) or background_load < 0:
+        raise LunaConvertError(f"background_load must be 0 or a number of processes, got {background_load!r}")
     if timer not in ("wall", "cpu"):
         raise LunaConvertError(f"timer must be 'wall' or 'cpu', got {timer!r}")
     cpu_time = timer == "cpu" and dev.type == "cpu"
@@ -766,13 +807,13 @@ def run_benchmark(
         torch.set_num_threads(threads)
     try:
         return _run(output_dir, lengths, methods, dev, layer_repeats, model_repeats, warmup, models, quick, memory,
-                    eager_max_length, model_method, vit_sizes, bert_lengths, cpu_time, console, log)
+                    eager_max_length, model_method, vit_sizes, bert_lengths, cpu_time, background_load, console, log)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _run(output_dir, lengths, methods, dev, layer_repeats, model_repeats, warmup, models, quick, memory,
-         eager_max_length, model_method, vit_sizes, bert_lengths, cpu_time, console, log) -> dict:
+         eager_max_length, model_method, vit_sizes, bert_lengths, cpu_time, background_load, console, log) -> dict:
     import torch
 
     results: dict = {"meta": _meta(dev, layer_repeats, warmup, quick)}
@@ -783,12 +824,18 @@ def _run(output_dir, lengths, methods, dev, layer_repeats, model_repeats, warmup
         f"methods: {', '.join(methods)}")
     results["layers"] = bench_layers(lengths, methods, dev, layer_repeats, warmup, memory=memory,
                                      eager_max_length=eager_max_length or 0, cpu_time=cpu_time, log=log)
+    if background_load:
+        log(f"attention layers again, {background_load} background process(es) multiplying matrices ...")
+        with run_background_load(background_load) as load:
+            busy = bench_layers(lengths, methods, dev, layer_repeats, warmup, memory=False,
+                                eager_max_length=eager_max_length or 0, cpu_time=cpu_time, count_ops=False, log=log)
+        results["layers_busy"] = {**busy, "background": load.to_dict()}
     results["models"] = None
     if models:
         log(f"whole models ({model_method}) ...")
         results["models"] = bench_models(dev, model_repeats, warmup, quick=quick, method=model_method,
                                          vit_sizes=vit_sizes, bert_lengths=bert_lengths, cpu_time=cpu_time, log=log)
-    results["targets"] = _targets(results["layers"], results["models"])
+    results["targets"] = _targets(results["layers"], results["models"], results.get("layers_busy"))
     results["meta"]["seconds"] = time.perf_counter() - t0
     if hasattr(os, "getloadavg"):
         results["meta"]["load_average_end"] = os.getloadavg()
