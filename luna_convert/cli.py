@@ -463,6 +463,8 @@ def bench(
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     background_load: int = typer.Option(0, "--background-load", min=0, help="Also time the layers while this "
                                         "many processes multiply matrices (a busy machine), beside the idle run."),
+    dtype: str = typer.Option("float32", "--dtype", help="Attention layers in float32 or bf16 (bf16 autocast, "
+                              "sums in float32; the GPU setting)."),
 ) -> None:
     """Time and memory of softmax vs every method as sequence length grows."""
     from datetime import datetime
@@ -471,7 +473,7 @@ def bench(
 
     out = output_dir or Path("outputs") / f"bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     kwargs = {"models": not no_models, "quick": quick, "device": device, "repeats": repeats, "threads": threads,
-              "timer": timer, "background_load": background_load}
+              "timer": timer, "background_load": background_load, "dtype": dtype}
     if lengths:
         kwargs["lengths"] = _int_list(lengths, "--lengths")
     if methods:

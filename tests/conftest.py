@@ -176,6 +176,7 @@ OPTIONAL_SKIPS = {
     "transformers v4 API": "version-gated: runs in CI's transformers 4.57 stage",
     "transformers v5 API": "version-gated: runs in CI's current-transformers stage",
     "needs the transformers >= 5.10 ViT layout": "version-gated: runs in CI's current-transformers stage",
+    "needs a CUDA device": "hardware-gated: no GPU in CI; scripts/gpu_check.sh runs tests/test_cuda.py on a lent device",
     "seqeval is not installed": "optional cross-check: seqeval is no dependency; hand-computed cases test entity F1",
 }
 if os.environ.get("LUNA_CHROMIUM_UNAVAILABLE"):  # set by .ci/run only when installing chromium failed

@@ -127,3 +127,31 @@ def test_background_load_refuses_a_negative_count(tmp_path):
     with pytest.raises(LunaConvertError, match="background_load must be 0 or a number of processes"):
         run_benchmark(tmp_path / "x", lengths=(16,), methods=["t2r"], models=False, quick=True, background_load=-1)
     assert not (tmp_path / "x").exists()
+
+
+def test_bf16_layers_are_timed_in_bf16(tmp_path, monkeypatch):
+    import pytest
+    import torch
+
+    from luna_convert.errors import LunaConvertError
+    from luna_convert.tools import bench as bench_module
+
+    seen = []
+    build = bench_module._layer_modules
+
+    def spied(*args, **kwargs):  # the bench's own layers, with a hook recording what dtypes they see
+        layers, modules = build(*args, **kwargs)
+        for module in modules.values():
+            module.register_forward_hook(lambda _m, inputs, out: seen.append((inputs[0].dtype, out.dtype)))
+        return layers, modules
+
+    monkeypatch.setattr(bench_module, "_layer_modules", spied)
+    results = run_benchmark(tmp_path, lengths=(16,), methods=["t2r"], models=False, quick=True, memory=False,
+                            dtype="bf16", device="cpu", console=Console(file=io.StringIO()))
+    assert results["layers"]["config"]["dtype"] == "bf16"
+    assert all(_positive(r["fwd_ms"]) and _positive(r["fwd_bwd_ms"]) for r in results["layers"]["results"])
+    # bf16 inputs, and under autocast bf16 outputs (the sums inside accumulate in float32)
+    assert seen and all(x == (torch.bfloat16, torch.bfloat16) for x in seen)
+    with pytest.raises(LunaConvertError, match="unknown dtype 'fp8'"):
+        run_benchmark(tmp_path / "never", lengths=(16,), methods=["t2r"], models=False, dtype="fp8")
+    assert not (tmp_path / "never").exists()

@@ -64,6 +64,7 @@ SOFTMAX = "softmax"  # torch scaled_dot_product_attention (flash kernel where av
 SOFTMAX_EAGER = "softmax-eager"  # explicit N x N softmax, a reference for memory
 LUNA_CORE = "luna-nodwc"  # LUNA feature maps + linear attention, without the DWC branch
 SLOPE_RANGE = (1024, 16384)
+BENCH_DTYPES = {"float32": "float32", "bf16": "bfloat16"}  # --dtype -> torch dtype name
 
 VIT_SIZES = (224, 512, 1024)
 BERT_LENGTHS = (128, 512, 1024, 2048, 4096)
@@ -234,14 +235,27 @@ def _layer_modules(methods: Sequence[str], device, heads: int, head_dim: int):
 def bench_layers(lengths: Sequence[int], methods: Sequence[str], device, repeats: int, warmup: int,
                  heads: int = HEADS, head_dim: int = HEAD_DIM, batch: int = BATCH, memory: bool = True,
                  eager_max_length: int = 4096, budget_s: float = 60.0, cpu_time: bool = False,
-                 count_ops: bool = True, log: Callable[[str], None] = print) -> dict:
+                 count_ops: bool = True, dtype: str = "float32", log: Callable[[str], None] = print) -> dict:
     """Attention-layer time and memory against N; ``methods`` must start with softmax.
 
     ``softmax-eager`` (if listed) runs only for N <= ``eager_max_length``. When one
     round over all methods takes so long that ``repeats`` rounds would exceed
     ``budget_s``, fewer rounds are timed (never fewer than 3, or ``repeats`` if smaller).
+    ``dtype`` "bf16": inputs in bfloat16 and every layer under bf16 autocast (the linear-attention sums
+    still accumulate in float32, ``ops.linear``), as a bf16 model runs on a GPU.
     """
+    import contextlib
+
     import torch
+
+    if dtype not in BENCH_DTYPES:
+        raise unknown_name("dtype", str(dtype), list(BENCH_DTYPES))
+    tensor_dtype = getattr(torch, BENCH_DTYPES[dtype])
+
+    def autocast():
+        if tensor_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=tensor_dtype)
 
     torch.manual_seed(0)
     layers, modules = _layer_modules(methods, device, heads, head_dim)
@@ -249,19 +263,21 @@ def bench_layers(lengths: Sequence[int], methods: Sequence[str], device, repeats
     rows = []
     for n in lengths:
         here = [m for m in methods if m != SOFTMAX_EAGER or n <= eager_max_length]
-        q, k, v = (torch.randn(batch, heads, n, head_dim, device=device) for _ in range(3))
+        q, k, v = (torch.randn(batch, heads, n, head_dim, device=device, dtype=tensor_dtype) for _ in range(3))
         qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-        grad = torch.randn(batch, heads, n, head_dim, device=device)
+        grad = torch.randn(batch, heads, n, head_dim, device=device, dtype=tensor_dtype)
 
         def forward(layer):
             def run():
-                with torch.no_grad():
+                with torch.no_grad(), autocast():
                     layer(q, k, v)
             return run
 
         def train_step(layer):
             def run():
-                layer(qg, kg, vg).backward(grad)
+                with autocast():
+                    out = layer(qg, kg, vg)
+                out.backward(grad.to(out.dtype))
             return run
 
         def zero(name):
@@ -312,7 +328,7 @@ def bench_layers(lengths: Sequence[int], methods: Sequence[str], device, repeats
             entry[key.replace("_ms", "")] = s
             entry["lengths"] = used
         slopes[m] = entry
-    return {"config": {"heads": heads, "head_dim": head_dim, "batch": batch, "dtype": "float32",
+    return {"config": {"heads": heads, "head_dim": head_dim, "batch": batch, "dtype": dtype,
                        "lengths": list(lengths), "methods": list(methods), "repeats": repeats, "warmup": warmup,
                        "eager_max_length": eager_max_length, "budget_s": budget_s},
             "results": rows, "slopes": slopes}
@@ -732,6 +748,7 @@ def run_benchmark(
     threads: int | None = None,
     timer: str = "wall",
     background_load: int = 0,
+    dtype: str = "float32",
     console=None,
 ) -> dict:
     """Measure attention layers and whole models; write ``bench.json``, ``bench.md`` and ``bench.png`` under ``output_dir``.
@@ -758,6 +775,8 @@ def run_benchmark(
     background_load  also time the attention layers a second time while this many processes multiply
                   matrices on one thread each (``tools.background_load``, started and stopped here): a busy
                   machine, reported beside the idle run as ``layers_busy`` (0: idle run only).
+    dtype         the attention layers' dtype: "float32" or "bf16" (bf16 inputs under autocast, sums in
+                  float32: the GPU setting); whole models run in float32.
     console       a rich Console for progress and tables (None: a new one on stdout).
 
     Returns the results dict that is also written to ``bench.json``: ``meta``, ``layers``
@@ -794,6 +813,8 @@ def run_benchmark(
 
     if isinstance(background_load, bool) or not isinstance(background_load, int) or background_load < 0:
         raise LunaConvertError(f"background_load must be 0 or a number of processes, got {background_load!r}")
+    if dtype not in BENCH_DTYPES:
+        raise unknown_name("dtype", str(dtype), list(BENCH_DTYPES))
     if timer not in ("wall", "cpu"):
         raise LunaConvertError(f"timer must be 'wall' or 'cpu', got {timer!r}")
     cpu_time = timer == "cpu" and dev.type == "cpu"
@@ -807,13 +828,15 @@ def run_benchmark(
         torch.set_num_threads(threads)
     try:
         return _run(output_dir, lengths, methods, dev, layer_repeats, model_repeats, warmup, models, quick, memory,
-                    eager_max_length, model_method, vit_sizes, bert_lengths, cpu_time, background_load, console, log)
+                    eager_max_length, model_method, vit_sizes, bert_lengths, cpu_time, background_load, console, log,
+                    dtype=dtype)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _run(output_dir, lengths, methods, dev, layer_repeats, model_repeats, warmup, models, quick, memory,
-         eager_max_length, model_method, vit_sizes, bert_lengths, cpu_time, background_load, console, log) -> dict:
+         eager_max_length, model_method, vit_sizes, bert_lengths, cpu_time, background_load, console, log,
+         dtype: str = "float32") -> dict:
     import torch
 
     results: dict = {"meta": _meta(dev, layer_repeats, warmup, quick)}
@@ -823,12 +846,13 @@ def _run(output_dir, lengths, methods, dev, layer_repeats, model_repeats, warmup
     log(f"attention layers on {dev} ({torch.get_num_threads()} threads): N = {', '.join(map(str, lengths))}; "
         f"methods: {', '.join(methods)}")
     results["layers"] = bench_layers(lengths, methods, dev, layer_repeats, warmup, memory=memory,
-                                     eager_max_length=eager_max_length or 0, cpu_time=cpu_time, log=log)
+                                     eager_max_length=eager_max_length or 0, cpu_time=cpu_time, dtype=dtype, log=log)
     if background_load:
         log(f"attention layers again, {background_load} background process(es) multiplying matrices ...")
         with run_background_load(background_load) as load:
             busy = bench_layers(lengths, methods, dev, layer_repeats, warmup, memory=False,
-                                eager_max_length=eager_max_length or 0, cpu_time=cpu_time, count_ops=False, log=log)
+                                eager_max_length=eager_max_length or 0, cpu_time=cpu_time, count_ops=False,
+                                dtype=dtype, log=log)
         results["layers_busy"] = {**busy, "background": load.to_dict()}
     results["models"] = None
     if models:
