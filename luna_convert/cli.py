@@ -463,6 +463,9 @@ def bench(
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     background_load: int = typer.Option(0, "--background-load", min=0, help="Also time the layers while this "
                                         "many processes multiply matrices (a busy machine), beside the idle run."),
+    long_models: bool = typer.Option(False, "--long-models", help="Also time ModernBERT-base at 1k-8k tokens, "
+                                     "original vs converted (minutes on a CPU)."),
+    long_lengths: Optional[str] = typer.Option(None, "--long-lengths", help="Comma-separated lengths for --long-models."),
     dtype: str = typer.Option("float32", "--dtype", help="Attention layers in float32 or bf16 (bf16 autocast, "
                               "sums in float32; the GPU setting)."),
 ) -> None:
@@ -473,7 +476,9 @@ def bench(
 
     out = output_dir or Path("outputs") / f"bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     kwargs = {"models": not no_models, "quick": quick, "device": device, "repeats": repeats, "threads": threads,
-              "timer": timer, "background_load": background_load, "dtype": dtype}
+              "timer": timer, "background_load": background_load, "dtype": dtype, "long_models": long_models}
+    if long_lengths:
+        kwargs["long_lengths"] = _int_list(long_lengths, "--long-lengths")
     if lengths:
         kwargs["lengths"] = _int_list(lengths, "--lengths")
     if methods:

@@ -155,3 +155,25 @@ def test_bf16_layers_are_timed_in_bf16(tmp_path, monkeypatch):
     with pytest.raises(LunaConvertError, match="unknown dtype 'fp8'"):
         run_benchmark(tmp_path / "never", lengths=(16,), methods=["t2r"], models=False, dtype="fp8")
     assert not (tmp_path / "never").exists()
+
+
+def test_long_model_rows_compare_three_variants_with_the_same_weights(tmp_path):
+    from typer.testing import CliRunner
+
+    from luna_convert.cli import app
+
+    out = tmp_path / "long"
+    result = CliRunner().invoke(app, ["bench", "--output-dir", str(out), "--quick", "--no-models", "--lengths", "16",
+                                      "--methods", "t2r", "--long-models", "--long-lengths", "32,64"])
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "bench.json").read_text())
+    long = data["long_models"]
+    assert long["method"] == "luna" and [r["tokens"] for r in long["rows"]] == [32, 64]
+    for r in long["rows"]:
+        assert set(r) >= {"original", "converted global", "converted all"}
+        for variant in ("original", "converted global", "converted all"):
+            x = r[variant]
+            assert _positive(x["fwd_ms"]) and _positive(x["train_ms"]) and _positive(x["train_peak_mb"])
+            assert x["fwd_ms_ratio"] == (1.0 if variant == "original" else x["fwd_ms"] / r["original"]["fwd_ms"])
+    assert "ModernBERT (tiny)" in (out / "bench.md").read_text() and "ModernBERT (tiny)" in result.output
+    assert any("log-log slope of train-step peak memory" in t["target"] for t in data["targets"])

@@ -434,8 +434,87 @@ def bench_models(device, repeats: int, warmup: int, quick: bool = False, method:
     return out
 
 
+LONG_LENGTHS = (1024, 2048, 4096, 8192)
+LONG_VARIANTS = ("original", "converted global", "converted all")  # softmax; global layers linear; every layer
+
+
+def bench_long_models(device, repeats: int, warmup: int, quick: bool = False, method: str = "luna",
+                      lengths: Sequence[int] | None = None, memory: bool = True, cpu_time: bool = False,
+                      log: Callable[[str], None] = print) -> dict:
+    """A long-context encoder where linear attention can pay: ModernBERT-base sizes (random init from
+    its config; tiny if ``quick``), batch 1, inference and one training step (AdamW) at each length.
+    Three variants with the same weights: the original (SDPA, its global/local pattern), the global
+    layers converted (``convert``'s default: local layers stay sliding-window softmax), every layer
+    converted (``convert_local_layers=True``). Times and the training step's peak tensor memory, each
+    also as a ratio to the original."""
+    import copy
+
+    import torch
+    import transformers
+
+    if quick:
+        config = transformers.ModernBertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=3,
+                                               num_attention_heads=2, intermediate_size=96, local_attention=16,
+                                               global_attn_every_n_layers=3, pad_token_id=0, bos_token_id=1,
+                                               eos_token_id=2, cls_token_id=1, sep_token_id=2)
+        lengths = tuple(lengths or (64, 128))
+    else:
+        config = transformers.ModernBertConfig()  # ModernBERT-base: 22 layers, 768 wide, window 128
+        lengths = tuple(lengths or LONG_LENGTHS)
+    config.max_position_embeddings = max(lengths)
+    config._attn_implementation = "sdpa"  # the eager-free CPU path; v4's flash/unpadded path is refused
+    clock = _Clock(device, cpu_time)
+    torch.manual_seed(0)
+    original = transformers.ModernBertForMaskedLM(config).to(device)
+    models = {"original": original}
+    for name, local in (("converted global", False), ("converted all", True)):
+        models[name] = copy.deepcopy(original)
+        convert(models[name], method, convert_local_layers=local)
+    rows = []
+    for n in lengths:
+        t0 = time.perf_counter()
+        ids = torch.randint(3, config.vocab_size, (1, n), device=device)
+        labels = torch.randint(3, config.vocab_size, (1, n), device=device)
+
+        def infer(model):
+            def run():
+                model.eval()
+                with torch.inference_mode():
+                    model(input_ids=ids)
+            return run
+
+        def step(model):
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+            def run():
+                model.train()
+                optimizer.zero_grad(set_to_none=True)
+                model(input_ids=ids, labels=labels).loss.backward()
+                optimizer.step()
+            return run
+
+        fwd = _round_robin({k: infer(m) for k, m in models.items()}, clock, repeats, warmup)
+        train = _round_robin({k: step(m) for k, m in models.items()}, clock, repeats, warmup)
+        peaks = peak_memory({k: step(m) for k, m in models.items()}, device) if memory else {}
+        row: dict = {"tokens": n, "batch": 1}
+        for k in models:
+            row[k] = {"fwd_ms": _median_ms(fwd[k]), "train_ms": _median_ms(train[k])}
+            if memory:
+                row[k]["train_peak_mb"] = peaks[k] / 2**20
+            for key in list(row[k]):
+                row[k][f"{key}_ratio"] = row[k][key] / row["original"][key] if k != "original" else 1.0
+        rows.append(row)
+        log(f"ModernBERT {n} tokens: " + ", ".join(
+            f"{k} {row[k]['fwd_ms']:.0f}/{row[k]['train_ms']:.0f} ms" for k in models)
+            + f"  (forward/train step, {time.perf_counter() - t0:.0f} s)")
+    return {"method": method, "model": "ModernBERT-base" if not quick else "ModernBERT (tiny)",
+            "layers": config.num_hidden_layers, "hidden": config.hidden_size, "window": config.local_attention,
+            "rows": rows}
+
+
 # --------------------------------------------------------------------------- targets, table, plot
-def _targets(layers: dict | None, models: dict | None, layers_busy: dict | None = None) -> list[dict]:
+def _targets(layers: dict | None, models: dict | None, layers_busy: dict | None = None,
+             long_models: dict | None = None) -> list[dict]:
     """The issue's targets, evaluated on what was measured (missing data: not listed)."""
     targets: list[dict] = []
 
@@ -480,6 +559,16 @@ def _targets(layers: dict | None, models: dict | None, layers_busy: dict | None 
                 add(f"LUNA layer, {load}: {what} time / T2R at N=4096", luna[f"{key}_ms"] / t2r[f"{key}_ms"], "<=", 1.5)
             add(f"LUNA layer, {load}: {what} speed-up vs softmax (SDPA) at N=4096",
                 luna and luna.get(f"{key}_speedup_vs_softmax"), ">=", 3.0)
+    if long_models:
+        rows = {r["tokens"]: r for r in long_models["rows"]}
+        for variant in LONG_VARIANTS[1:]:
+            if 8192 in rows:
+                r = rows[8192][variant]
+                add(f"{long_models['model']} 8192 tokens, {variant}: inference time / original", r["fwd_ms_ratio"], "<=", 0.5)
+                add(f"{long_models['model']} 8192 tokens, {variant}: train step time / original", r["train_ms_ratio"], "<=", 0.5)
+            if all("train_peak_mb" in r[variant] for r in rows.values()):
+                slope, _ = _slope({n: r[variant]["train_peak_mb"] for n, r in rows.items()}, 1024, 8192)
+                add(f"{long_models['model']}, {variant}: log-log slope of train-step peak memory", slope, "<=", 1.1)
     if models:
         m = models["method"]
         if models.get("bert_train"):
@@ -563,6 +652,17 @@ def _print_tables(results: dict, console) -> None:
             table.add_row("BERT-base train step", f"{r['batch']}x{r['tokens']} tok", f"{r['original_ms']:.0f}",
                           f"{r['converted_ms']:.0f}", f"{r['ratio']:.2f}")
         console.print(table)
+    long = results.get("long_models")
+    if long:
+        table = Table(title=f"{long['model']}, batch 1, original vs converted ({long['method']}): inference / train "
+                            "step ms (x original)")
+        table.add_column("tokens", justify="right")
+        for v in LONG_VARIANTS:
+            table.add_column(v, justify="right")
+        for r in long["rows"]:
+            table.add_row(str(r["tokens"]), *[f"{r[v]['fwd_ms']:.0f} / {r[v]['train_ms']:.0f} (x{r[v]['fwd_ms_ratio']:.2f} "
+                                              f"/ x{r[v]['train_ms_ratio']:.2f})" for v in LONG_VARIANTS])
+        console.print(table)
     if results.get("targets"):
         table = Table(title="Targets")
         for col in ("target", "measured", "needed", "met"):
@@ -638,6 +738,22 @@ def markdown_tables(results: dict) -> str:
             r = models["bert_train"]
             lines.append(f"| BERT-base train step (AdamW) | {r['batch']} x {r['tokens']} tokens | {r['original_ms']:.0f} | "
                          f"{r['converted_ms']:.0f} | {r['ratio']:.2f} |")
+        lines.append("")
+    long = results.get("long_models")
+    if long:
+        lines += [f"**{long['model']} ({long['layers']} layers, {long['hidden']} wide, local window {long['window']}), "
+                  f"batch 1, original vs converted with `{long['method']}` (random init), median ms "
+                  "(x original); train step peak tensor memory, MiB**", "",
+                  "| tokens | " + " | ".join(f"{v}: inference | {v}: train step | {v}: train memory"
+                                             for v in LONG_VARIANTS) + " |",
+                  "|---:|" + "---:|" * (3 * len(LONG_VARIANTS))]
+        for r in long["rows"]:
+            cells = []
+            for v in LONG_VARIANTS:
+                x = r[v]
+                cells += [f"{x['fwd_ms']:.0f} (x{x['fwd_ms_ratio']:.2f})", f"{x['train_ms']:.0f} (x{x['train_ms_ratio']:.2f})",
+                          f"{x['train_peak_mb']:.0f} (x{x['train_peak_mb_ratio']:.2f})" if "train_peak_mb" in x else "-"]
+            lines.append(f"| {r['tokens']} | " + " | ".join(cells) + " |")
         lines.append("")
     if results.get("targets"):
         lines += ["**Targets**", "", "| target | measured | needed | met |", "|---|---:|---:|:---:|"]
@@ -749,6 +865,8 @@ def run_benchmark(
     timer: str = "wall",
     background_load: int = 0,
     dtype: str = "float32",
+    long_models: bool = False,
+    long_lengths: Sequence[int] | None = None,
     console=None,
 ) -> dict:
     """Measure attention layers and whole models; write ``bench.json``, ``bench.md`` and ``bench.png`` under ``output_dir``.
@@ -775,6 +893,8 @@ def run_benchmark(
     background_load  also time the attention layers a second time while this many processes multiply
                   matrices on one thread each (``tools.background_load``, started and stopped here): a busy
                   machine, reported beside the idle run as ``layers_busy`` (0: idle run only).
+    long_models   also time a long-context encoder (``bench_long_models``: ModernBERT-base at 1k-8k tokens,
+                  original vs converted, inference and a training step); ``long_lengths`` overrides the lengths.
     dtype         the attention layers' dtype: "float32" or "bf16" (bf16 inputs under autocast, sums in
                   float32: the GPU setting); whole models run in float32.
     console       a rich Console for progress and tables (None: a new one on stdout).
@@ -829,14 +949,14 @@ def run_benchmark(
     try:
         return _run(output_dir, lengths, methods, dev, layer_repeats, model_repeats, warmup, models, quick, memory,
                     eager_max_length, model_method, vit_sizes, bert_lengths, cpu_time, background_load, console, log,
-                    dtype=dtype)
+                    dtype=dtype, long_models=long_models, long_lengths=long_lengths)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _run(output_dir, lengths, methods, dev, layer_repeats, model_repeats, warmup, models, quick, memory,
          eager_max_length, model_method, vit_sizes, bert_lengths, cpu_time, background_load, console, log,
-         dtype: str = "float32") -> dict:
+         dtype: str = "float32", long_models: bool = False, long_lengths: Sequence[int] | None = None) -> dict:
     import torch
 
     results: dict = {"meta": _meta(dev, layer_repeats, warmup, quick)}
@@ -859,7 +979,12 @@ def _run(output_dir, lengths, methods, dev, layer_repeats, model_repeats, warmup
         log(f"whole models ({model_method}) ...")
         results["models"] = bench_models(dev, model_repeats, warmup, quick=quick, method=model_method,
                                          vit_sizes=vit_sizes, bert_lengths=bert_lengths, cpu_time=cpu_time, log=log)
-    results["targets"] = _targets(results["layers"], results["models"], results.get("layers_busy"))
+    if long_models:
+        log(f"long-context model ({model_method}) ...")
+        results["long_models"] = bench_long_models(dev, model_repeats, warmup, quick=quick, method=model_method,
+                                                   lengths=long_lengths, memory=memory, cpu_time=cpu_time, log=log)
+    results["targets"] = _targets(results["layers"], results["models"], results.get("layers_busy"),
+                                  results.get("long_models"))
     results["meta"]["seconds"] = time.perf_counter() - t0
     if hasattr(os, "getloadavg"):
         results["meta"]["load_average_end"] = os.getloadavg()
