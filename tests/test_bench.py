@@ -176,4 +176,7 @@ def test_long_model_rows_compare_three_variants_with_the_same_weights(tmp_path):
             assert _positive(x["fwd_ms"]) and _positive(x["train_ms"]) and _positive(x["train_peak_mb"])
             assert x["fwd_ms_ratio"] == (1.0 if variant == "original" else x["fwd_ms"] / r["original"]["fwd_ms"])
     assert "ModernBERT (tiny)" in (out / "bench.md").read_text() and "ModernBERT (tiny)" in result.output
+    assert [r["image_size"] for r in long["dinov2"]] == [28, 56, 84]  # 56 px native; 28 and 84 interpolate
+    assert all(_positive(r["original_ms"]) and _positive(r["converted_ms"]) for r in long["dinov2"])
+    assert "DINOv2 (tiny) inference" in (out / "bench.md").read_text()
     assert any("log-log slope of train-step peak memory" in t["target"] for t in data["targets"])

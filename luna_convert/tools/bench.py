@@ -435,6 +435,7 @@ def bench_models(device, repeats: int, warmup: int, quick: bool = False, method:
 
 
 LONG_LENGTHS = (1024, 2048, 4096, 8192)
+DINO_SIZES = (224, 518, 1024)  # DINOv2 is trained at 518 px; 224 and 1024 interpolate its positions
 LONG_VARIANTS = ("original", "converted global", "converted all")  # softmax; global layers linear; every layer
 
 
@@ -507,9 +508,37 @@ def bench_long_models(device, repeats: int, warmup: int, quick: bool = False, me
         log(f"ModernBERT {n} tokens: " + ", ".join(
             f"{k} {row[k]['fwd_ms']:.0f}/{row[k]['train_ms']:.0f} ms" for k in models)
             + f"  (forward/train step, {time.perf_counter() - t0:.0f} s)")
+    del models, original
+    # DINOv2 (ViT-B/14 sizes, random init) at other resolutions: positions interpolated from 518 px.
+    if quick:
+        dino = transformers.Dinov2Config(image_size=56, patch_size=14, hidden_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, intermediate_size=128)
+        sizes = (28, 56, 84)
+    else:
+        dino, sizes = transformers.Dinov2Config(image_size=518, patch_size=14), DINO_SIZES
+    dino._attn_implementation = "sdpa"
+    original = transformers.Dinov2Model(dino).to(device).eval()
+    converted = copy.deepcopy(original)
+    convert(converted, method)
+    vit_rows = []
+    for size in sizes:
+        t0 = time.perf_counter()
+        pixels = torch.randn(1, 3, size, size, device=device)
+
+        def infer_image(model):
+            def run():
+                with torch.inference_mode():
+                    model(pixel_values=pixels)
+            return run
+
+        row = _compare(infer_image(original), infer_image(converted), clock, repeats, warmup, image_size=size,
+                       tokens=(size // dino.patch_size) ** 2 + 1, batch=1)
+        vit_rows.append(row)
+        log(f"DINOv2 {size}px ({row['tokens']} tokens): original {row['original_ms']:.0f} ms, converted "
+            f"{row['converted_ms']:.0f} ms (x{row['ratio']:.2f})  ({time.perf_counter() - t0:.0f} s)")
     return {"method": method, "model": "ModernBERT-base" if not quick else "ModernBERT (tiny)",
             "layers": config.num_hidden_layers, "hidden": config.hidden_size, "window": config.local_attention,
-            "rows": rows}
+            "rows": rows, "dinov2": vit_rows, "dinov2_model": "DINOv2-base (ViT-B/14)" if not quick else "DINOv2 (tiny)"}
 
 
 # --------------------------------------------------------------------------- targets, table, plot
@@ -569,6 +598,10 @@ def _targets(layers: dict | None, models: dict | None, layers_busy: dict | None 
             if all("train_peak_mb" in r[variant] for r in rows.values()):
                 slope, _ = _slope({n: r[variant]["train_peak_mb"] for n, r in rows.items()}, 1024, 8192)
                 add(f"{long_models['model']}, {variant}: log-log slope of train-step peak memory", slope, "<=", 1.1)
+        for r in long_models.get("dinov2", []):
+            if r["image_size"] >= 1024:
+                add(f"{long_models['dinov2_model']} inference {r['image_size']}px: converted / original time",
+                    r["ratio"], "<=", 0.5)
     if models:
         m = models["method"]
         if models.get("bert_train"):
@@ -663,6 +696,13 @@ def _print_tables(results: dict, console) -> None:
             table.add_row(str(r["tokens"]), *[f"{r[v]['fwd_ms']:.0f} / {r[v]['train_ms']:.0f} (x{r[v]['fwd_ms_ratio']:.2f} "
                                               f"/ x{r[v]['train_ms_ratio']:.2f})" for v in LONG_VARIANTS])
         console.print(table)
+        table = Table(title=f"{long['dinov2_model']} inference, positions interpolated, ms")
+        for col in ("image", "tokens", "original", "converted", "converted/original"):
+            table.add_column(col, justify="right")
+        for r in long["dinov2"]:
+            table.add_row(f"{r['image_size']}px", str(r["tokens"]), f"{r['original_ms']:.0f}", f"{r['converted_ms']:.0f}",
+                          f"{r['ratio']:.2f}")
+        console.print(table)
     if results.get("targets"):
         table = Table(title="Targets")
         for col in ("target", "measured", "needed", "met"):
@@ -754,6 +794,11 @@ def markdown_tables(results: dict) -> str:
                 cells += [f"{x['fwd_ms']:.0f} (x{x['fwd_ms_ratio']:.2f})", f"{x['train_ms']:.0f} (x{x['train_ms_ratio']:.2f})",
                           f"{x['train_peak_mb']:.0f} (x{x['train_peak_mb_ratio']:.2f})" if "train_peak_mb" in x else "-"]
             lines.append(f"| {r['tokens']} | " + " | ".join(cells) + " |")
+        lines += ["", f"**{long['dinov2_model']} inference at other resolutions (positions interpolated), batch 1, "
+                  f"original vs converted with `{long['method']}`, median ms**", "",
+                  "| image | tokens | original | converted | converted / original |", "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['image_size']} px | {r['tokens']} | {r['original_ms']:.0f} | {r['converted_ms']:.0f} | "
+                  f"{r['ratio']:.2f} |" for r in long["dinov2"]]
         lines.append("")
     if results.get("targets"):
         lines += ["**Targets**", "", "| target | measured | needed | met |", "|---|---:|---:|:---:|"]
