@@ -381,7 +381,9 @@ def test_key_padding_mask_refuses_causal_masks():
 def test_linear_attention_module_type():
     _, model, _ = converted("hf-bert", "luna")
     la = model.bert.encoder.layer[0].attention.self.linear_attn
-    assert isinstance(la, LinearAttention) and la.phi_k is None
+    assert isinstance(la, LinearAttention) and la.phi_k is not None  # keys' own map (separate_key_map)
+    _, model, _ = converted("hf-bert", "t2r")
+    assert model.bert.encoder.layer[0].attention.self.linear_attn.phi_k is None  # one map, stored once
 
 
 def test_package_exports_are_the_functions_after_submodule_imports():

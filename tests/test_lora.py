@@ -45,7 +45,8 @@ def test_lora_trains_adapters_head_and_what_conversion_added_then_merges_exactly
     assert type(model.bert.encoder.layer[0].attention.self.query) is nn.Linear
     with torch.no_grad():
         merged = model(**inputs).logits
-    torch.testing.assert_close(merged, adapted, rtol=0, atol=1e-5)  # float32 merge: measured 1e-7
+    # float32 merge: relative error measured 6.4e-7 (these three SGD steps at lr 0.5 grow the logits to ~1e4)
+    torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
     assert all(p.requires_grad for p in model.parameters())
     # the merged update of a pretrained weight has rank <= 2
     delta = model.bert.encoder.layer[0].attention.self.query.weight - frozen[
