@@ -188,6 +188,27 @@ def test_task_loss_is_the_models_own_span_loss(qa_setup):
     assert task_loss(logits, batch["labels"]).item() == pytest.approx(own.item(), rel=1e-6)
 
 
+def test_predict_pads_start_and_end_rows_of_batches_of_different_lengths(qa_setup):
+    import datasets
+    from accelerate import Accelerator
+
+    from luna_convert.engine.training import predict
+    from luna_convert.run.models import load_model
+
+    model_dir, _ = qa_setup
+    loaded = load_model(str(model_dir), level="span")
+    contexts = ["john lives in paris and works at acme .", "mary lives in rome ."]
+    ds = datasets.Dataset.from_dict({"question": ["who works at acme ?", "where does mary live ?"],
+                                     "context": contexts, "answers": [["john"], ["rome"]],
+                                     "answer_starts": [[0], [14]], "source": ["a", "b"]})
+    loader = data.make_qa_dataloader(ds, loaded.tokenizer, batch_size=1)
+    logits, labels = predict(Accelerator(), loaded.model, loader)
+    assert logits.shape == (2, 2, 17) and labels.tolist() == [[7, 7], [10, 10]]  # 17 and 13 tokens
+    assert not logits[1, :, 13:].any()  # the shorter example's padding
+    answers = span_answers(logits, loader.qa_examples)
+    assert all(answer and answer in context for answer, context in zip(answers, contexts)), answers
+
+
 # ------------------------------------------------------------------ decoding and metrics
 
 
