@@ -119,7 +119,7 @@ def run(
     recipe: Optional[str] = typer.Argument(None, help="Recipe name (see `luna-convert recipes`) or a YAML file."),
     method: Optional[str] = typer.Option(None, "--method", "-m", help="A registered method; `luna-convert methods` lists them."),
     model: Optional[str] = typer.Option(None, "--model", help="Hub id, local folder or timm:<name>."),
-    task: Optional[str] = typer.Option(None, "--task", help="Task name (GLUE task, imagenet, digits, ner, ...); own data: "
+    task: Optional[str] = typer.Option(None, "--task", help="Task name (GLUE task, imagenet, digits, ner, qa, ...); own data: "
                                        "text-classification, text-pair-classification, text-regression, "
                                        "image-classification [inferred from the model and data]."),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local data: GLUE TSVs, csv/tsv/jsonl/parquet, "

@@ -1,5 +1,6 @@
 """Task metrics computed with scikit-learn / scipy, keyed like the `evaluate` GLUE metric; entity-level
-F1 for token tasks (NER) computed here as conlleval / seqeval's default mode does.
+F1 for token tasks (NER) computed here as conlleval / seqeval's default mode does; exact match and F1 of
+extractive QA answers as the official SQuAD v1.1 evaluation script computes them.
 
 All values are floats on a 0..1 scale (correlations in -1..1), never percent. Degenerate
 inputs (constant predictions, fewer than two examples) give 0.0 for correlations, not NaN.
@@ -7,7 +8,10 @@ inputs (constant predictions, fewer than two examples) give 0.0 for correlations
 
 from __future__ import annotations
 
+import re
+import string
 import warnings
+from collections import Counter
 
 import numpy as np
 
@@ -15,7 +19,7 @@ from .errors import LunaConvertError
 from .tasks import IGNORE_INDEX, TaskSpec, get_task
 
 __all__ = ["compute_metrics", "headline_metric", "metric_names", "recovered_pct", "LOWER_IS_BETTER",
-           "entity_spans", "split_tag", "TOKEN_METRICS"]
+           "entity_spans", "split_tag", "TOKEN_METRICS", "SPAN_METRICS", "normalize_answer", "answer_f1"]
 
 # Error metrics: a smaller value is a better model.
 LOWER_IS_BETTER = frozenset({"mse"})
@@ -32,6 +36,7 @@ _GLUE_KEYS: dict[str, tuple[str, ...]] = {
     "rte": ("accuracy",),
 }
 TOKEN_METRICS = ("entity_f1", "entity_precision", "entity_recall", "token_accuracy")
+SPAN_METRICS = ("f1", "exact_match")
 ENTITY_PREFIXES = ("B", "I", "E", "S")  # IOB1 / IOB2 (BIO) / IOBES chunk tags, as conlleval reads them
 
 
@@ -53,6 +58,8 @@ def metric_names(task: TaskSpec | str, num_classes: int | None = None) -> tuple[
     task = get_task(task)
     if task.is_token_level:
         return TOKEN_METRICS
+    if task.is_span_level:
+        return SPAN_METRICS
     if task.name in _GLUE_KEYS:
         return _GLUE_KEYS[task.name]
     if task.kind == "image":
@@ -156,16 +163,56 @@ def _token_metrics(task: TaskSpec, predictions: np.ndarray, labels: np.ndarray) 
             "token_accuracy": float(np.mean(predictions[keep] == labels[keep]))}
 
 
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD v1.1's answer normalisation: lower case, punctuation removed, the articles a / an / the removed,
+    whitespace collapsed."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def answer_f1(prediction: str, gold: str) -> float:
+    """SQuAD v1.1's F1 of the normalised answers' words (a bag of words: repeated words count repeatedly)."""
+    predicted, expected = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    same = sum((Counter(predicted) & Counter(expected)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(predicted), same / len(expected)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _span_metrics(task: TaskSpec, predictions, labels) -> dict[str, float]:
+    """Exact match and F1, each the best over a question's gold answers, averaged over the questions."""
+    predictions, labels = list(predictions), list(labels)
+    if len(predictions) != len(labels):
+        raise LunaConvertError(f"{len(predictions)} predicted answers but {len(labels)} questions for task "
+                               f"{task.name!r}; they must match one to one")
+    if not labels:
+        raise LunaConvertError(f"no questions to score for task {task.name!r}; check the evaluation split")
+    exact = f1 = 0.0
+    for prediction, golds in zip(predictions, labels):
+        if isinstance(golds, str) or not len(golds):
+            raise LunaConvertError(f"the gold answers of task {task.name!r} must be a non-empty list of texts a "
+                                   f"question, got {golds!r}")
+        exact += max(float(normalize_answer(prediction) == normalize_answer(g)) for g in golds)
+        f1 += max(answer_f1(prediction, g) for g in golds)
+    return {"f1": f1 / len(labels), "exact_match": exact / len(labels)}
+
+
 def compute_metrics(task: TaskSpec | str, predictions, labels) -> dict[str, float]:
     """Scores of ``predictions`` against ``labels`` for ``task``.
 
     ``predictions``: logits ``[N, C]`` (argmax taken here) or class ids ``[N]`` for classification;
     scores ``[N]`` or ``[N, 1]`` for regression; logits ``[N, S, C]`` or tag ids ``[N, S]`` for token
     tasks (labels ``[N, S]``, ``IGNORE_INDEX`` where nothing is scored; tag names from
-    ``task.label_names``). Classification labels below 0 (GLUE test splits use -1, PyTorch ignores
-    -100) are left out.
+    ``task.label_names``); for span (QA) tasks, the predicted answer texts and each question's gold answer
+    texts. Classification labels below 0 (GLUE test splits use -1, PyTorch ignores -100) are left out.
     """
     task = get_task(task)
+    if task.is_span_level:
+        return _span_metrics(task, predictions, labels)
     predictions = np.asarray(predictions)
     labels = np.asarray(labels)
     if task.is_token_level:

@@ -22,7 +22,7 @@ class TaskSpec:
     ``num_labels`` 1 means regression; ``None`` means "take it from the data or the model".
     ``label_names`` are the class names in index order (GLUE's order for GLUE tasks; a token task's
     tags come from the model's id2label). ``level`` "token" labels every word of a text (NER) instead
-    of the whole text ("sequence").
+    of the whole text ("sequence"); "span" answers a question with a span of its context (extractive QA).
     """
 
     name: str
@@ -38,11 +38,15 @@ class TaskSpec:
     # Extra (not needed by callers): folder name of the task in the original GLUE download
     # ("SST-2", "MNLI", ...), used to accept a GLUE root folder as --data-dir.
     glue_dir: str | None = None
-    level: str = "sequence"  # "sequence" or "token"
+    level: str = "sequence"  # "sequence", "token" or "span"
 
     @property
     def is_token_level(self) -> bool:
         return self.level == "token"
+
+    @property
+    def is_span_level(self) -> bool:
+        return self.level == "span"
 
     @property
     def is_regression(self) -> bool:
@@ -98,6 +102,8 @@ _ALL: tuple[TaskSpec, ...] = (
     TaskSpec("image-classification", "image"),
     # token classification (named entities): CoNLL-style words and tags, entity-level F1
     TaskSpec("ner", "text", ("tokens",), label_column="ner_tags", headline="entity_f1", level="token"),
+    # extractive question answering (SQuAD v1.1): the answer is a span of the context; SQuAD's F1 and exact match
+    TaskSpec("qa", "text", ("question", "context"), label_column="answers", headline="f1", level="span"),
 )
 
 TASKS: dict[str, TaskSpec] = {t.name: t for t in _ALL}
@@ -123,6 +129,10 @@ TASK_ALIASES: dict[str, str] = {
     "image_classification": "image-classification",
     "token-classification": "ner",
     "token_classification": "ner",
+    "question-answering": "qa",
+    "question_answering": "qa",
+    "extractive-qa": "qa",
+    "squad": "qa",
 }
 
 

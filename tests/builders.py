@@ -35,7 +35,8 @@ def write_sst2(folder: Path, n_train: int = 48, n_dev: int = 20) -> Path:
 def write_bert_checkpoint(folder: Path, num_labels: int = 2, arch: str = "bert", head: str = "Sequence",
                           words=WORDS, id2label: dict | None = None) -> Path:
     """A tiny BERT (or, with arch="distilbert", DistilBERT) classifier with its tokenizer (vocabulary: the
-    special tokens and ``words``), saved like a hub checkpoint; ``head`` "Token" makes a token classifier."""
+    special tokens and ``words``), saved like a hub checkpoint; ``head`` "Token" makes a token classifier,
+    "QuestionAnswering" an extractive QA model."""
     import transformers
 
     prefix = {"bert": "Bert", "distilbert": "DistilBert"}[arch]
@@ -59,7 +60,8 @@ def write_bert_checkpoint(folder: Path, num_labels: int = 2, arch: str = "bert",
                                          intermediate_size=64, **sizes)
     else:
         config = transformers.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=64, **sizes)
-    getattr(transformers, f"{prefix}For{head}Classification")(config).save_pretrained(folder)
+    head_class = "ForQuestionAnswering" if head == "QuestionAnswering" else f"For{head}Classification"
+    getattr(transformers, f"{prefix}{head_class}")(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

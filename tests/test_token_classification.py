@@ -60,7 +60,7 @@ def finetune_teacher(model_dir: Path, data_dir: Path, epochs: int = 20) -> None:
     from luna_convert.engine.training import forward_logits, task_loss
     from luna_convert.run.models import load_model
 
-    loaded = load_model(str(model_dir), token_level=True)
+    loaded = load_model(str(model_dir), level="token")
     ds = data.align_labels(data.load_split(NER, "train", data_dir), NER, loaded.id2label, loaded.num_labels)
     loader = data.make_text_dataloader(ds, NER, loaded.tokenizer, batch_size=8, shuffle=True)
     torch.manual_seed(0)
@@ -161,7 +161,7 @@ def test_every_word_is_scored_once_across_batches_of_different_lengths(ner_setup
     from luna_convert.run.models import load_model
 
     model_dir, data_dir = ner_setup
-    loaded = load_model(str(model_dir), token_level=True)
+    loaded = load_model(str(model_dir), level="token")
     ds = data.align_labels(data.load_split(NER, "validation", data_dir), NER, loaded.id2label, loaded.num_labels)
     loader = data.make_text_dataloader(ds, NER, loaded.tokenizer, batch_size=5)
     lengths = {len(b["labels"][0]) for b in loader}

@@ -1,9 +1,10 @@
-"""Loading task data (GLUE TSV / CSV / JSON lines / parquet / CoNLL / the hub cache / ImageFolder /
+"""Loading task data (GLUE TSV / CSV / JSON lines / parquet / CoNLL / SQuAD JSON / the hub cache / ImageFolder /
 scikit-learn digits) and turning it into deterministic PyTorch DataLoaders.
 
 One concern a module: ``splits`` (split names, subsets), ``labels`` (label values, class names,
 :func:`align_labels`), ``tables`` (local table files), ``glue`` (GLUE TSV files and the hub's GLUE),
-``conll`` (word-level tagged data for token tasks: CoNLL files, word and tag lists), ``images`` (image
+``conll`` (word-level tagged data for token tasks: CoNLL files, word and tag lists), ``squad`` (extractive QA
+data: SQuAD JSON, question / context / answers tables), ``images`` (image
 datasets), ``hub`` (hub datasets and save_to_disk folders), ``loading``
 (:func:`load_split`), ``text_loader`` and ``image_loader`` (DataLoaders). Imports run one way, in
 that order.
@@ -21,13 +22,18 @@ from .labels import align_labels, model_label_names, normalize_label_name, short
 from .loading import load_split
 from .splits import canonical_split
 from .tables import TABLE_EXTENSIONS, find_split_file, read_table
-from .text_loader import align_word_labels, make_text_dataloader
+from .squad import qa_dataset
+from .text_loader import QAExample, align_word_labels, answer_token_span, make_qa_dataloader, make_text_dataloader
 
 __all__ = [
     "load_split",
     "align_labels",
     "make_text_dataloader",
     "align_word_labels",
+    "make_qa_dataloader",
+    "answer_token_span",
+    "QAExample",
+    "qa_dataset",
     "token_label_names",
     "short_list",
     "image_transform",

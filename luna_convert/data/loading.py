@@ -11,6 +11,7 @@ from .glue import load_glue_hub_split, read_glue_tsv
 from .hub import datasets_source, load_datasets_split
 from .images import load_image_split
 from .splits import canonical_split, subset_indices
+from .squad import load_qa_split
 from .tables import TABLE_EXTENSIONS, find_split_file, read_table_split
 
 
@@ -25,6 +26,8 @@ def _resolve_text_dir(task: TaskSpec, data_dir: Path) -> Path:
 def _load_text_split(task: TaskSpec, split: str, data_dir: Path | None):
     if task.is_token_level:
         return load_token_split(task, split, data_dir)
+    if task.is_span_level:
+        return load_qa_split(task, split, data_dir)
     if data_dir is None:
         return load_glue_hub_split(task, split)
     data_dir = _resolve_text_dir(task, data_dir)
@@ -41,7 +44,8 @@ def load_split(task: TaskSpec | str, split: str, data_dir: str | Path | None = N
     Text tasks: a ``datasets.Dataset`` with columns ``task.text_columns`` + ``"label"`` (int class
     ids; float for regression; -1 on unlabelled test splits; strings only for generic tasks whose
     files hold class names — :func:`align_labels` maps those). Token tasks: columns ``tokens`` (a list of
-    words), ``label`` (a list of tags, names or ids) and ``source`` (where each sentence is). Image tasks: a torch-style dataset of
+    words), ``label`` (a list of tags, names or ids) and ``source`` (where each sentence is). Span (QA) tasks:
+    ``id``, ``question``, ``context``, ``answers`` (texts), ``answer_starts`` and ``source``. Image tasks: a torch-style dataset of
     ``(PIL.Image RGB, int label)`` with a ``classes`` attribute.
 
     ``max_examples``: a deterministic subset — ``max_examples`` rows drawn with ``seed`` for the

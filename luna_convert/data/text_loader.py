@@ -1,8 +1,11 @@
 """Text DataLoaders: tokenising once (counting the examples cut to ``max_length``) and padding
-each batch to its longest example; for token tasks, word tags carried over to the sub-word tokens."""
+each batch to its longest example; for token tasks, word tags carried over to the sub-word tokens; for
+extractive QA, answers as start and end tokens of the context."""
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..errors import LunaConvertError
@@ -164,6 +167,99 @@ def make_text_dataloader(dataset, task: TaskSpec | str, tokenizer, *, batch_size
                         collate_fn=collate, generator=generator)
     loader.num_truncated = truncated
     loader.longest = max((len(ids) for ids in features["input_ids"]), default=0)  # tokens, after truncation
+    loader.num_examples = len(labels)
+    loader.max_length = max_length
+    return loader
+
+
+@dataclass(frozen=True)
+class QAExample:
+    """What scoring an extractive QA example needs besides the model's logits: its context, each token's
+    character span in it (None for the question, special tokens and padding) and the gold answer texts."""
+
+    context: str
+    offsets: tuple[tuple[int, int] | None, ...]
+    answers: tuple[str, ...]
+
+
+def answer_token_span(offsets: Sequence[tuple[int, int] | None], start_char: int, end_char: int) -> tuple[int, int]:
+    """The first and last token (inclusive) of the answer ``context[start_char:end_char]`` among the context
+    tokens (``offsets`` None elsewhere), or (0, 0), the [CLS] position, when truncation cut the answer off."""
+    context = [i for i, span in enumerate(offsets) if span is not None]
+    if not context or offsets[context[0]][0] > start_char or offsets[context[-1]][1] < end_char:
+        return 0, 0
+    first = next(i for i in context if offsets[i][1] > start_char)
+    last = next(i for i in reversed(context) if offsets[i][0] < end_char)
+    return first, last
+
+
+def tokenize_qa(dataset, tokenizer, max_length: int = 384,
+                chunk_size: int = 4096) -> tuple[dict[str, list[list[int]]], list[list[int]], list[QAExample], int]:
+    """Question + context pairs encoded with only the context cut to ``max_length`` tokens (no sliding window:
+    the end of a long context is dropped). Returns (features, [start, end] token labels of the first answer,
+    each example's :class:`QAExample`, number of examples cut)."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise LunaConvertError(f"question answering needs a fast tokenizer (tokenizer.json) to map answers to "
+                               f"tokens, but {type(tokenizer).__name__} is a slow one; save the model's fast tokenizer "
+                               "beside it (AutoTokenizer.from_pretrained(..., use_fast=True).save_pretrained(folder))")
+    features: dict[str, list[list[int]]] = {}
+    labels: list[list[int]] = []
+    examples: list[QAExample] = []
+    truncated = 0
+    for begin in range(0, len(dataset), chunk_size):
+        rows = dataset[begin:begin + chunk_size]
+        questions, contexts = rows["question"], rows["context"]
+        try:
+            # the overflow rows (what truncation cut off) only tell which examples were cut
+            enc = tokenizer(questions, contexts, truncation="only_second", max_length=max_length, padding=False,
+                            return_offsets_mapping=True, return_overflowing_tokens=True, verbose=False)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises a plain Exception
+            if "truncat" not in str(e).lower():
+                raise
+            lengths = [len(ids) for ids in tokenizer(questions, add_special_tokens=False)["input_ids"]]
+            longest = max(range(len(lengths)), key=lengths.__getitem__)
+            raise LunaConvertError(f"{rows['source'][longest]}: the question alone is {lengths[longest]} tokens, too "
+                                   f"long to leave room for the context in train.max_length {max_length}; raise "
+                                   "--max-length or shorten the question") from None
+        sample = list(enc["overflow_to_sample_mapping"])
+        truncated += sum(rows_of_example > 1 for rows_of_example in Counter(sample).values())
+        for row, i in enumerate(sample):
+            if row and sample[row - 1] == i:  # an overflow row: only each example's first row is kept
+                continue
+            for key in _ENCODING_KEYS:
+                if key in enc:
+                    features.setdefault(key, []).append(list(enc[key][row]))
+            in_context = [s == 1 for s in enc.sequence_ids(row)]
+            offsets = tuple(tuple(span) if keep else None for span, keep in zip(enc["offset_mapping"][row], in_context))
+            start = rows["answer_starts"][i][0]
+            labels.append(list(answer_token_span(offsets, start, start + len(rows["answers"][i][0]))))
+            examples.append(QAExample(contexts[i], offsets, tuple(rows["answers"][i])))
+    if "attention_mask" not in features:
+        features["attention_mask"] = [[1] * len(ids) for ids in features.get("input_ids", [])]
+    return features, labels, examples, truncated
+
+
+def make_qa_dataloader(dataset, tokenizer, *, batch_size: int, max_length: int = 384, shuffle: bool = False,
+                       seed: int = 0):
+    """A DataLoader of padded question + context batches (right padding: the labels are token positions) with
+    ``labels`` [B, 2]: the first answer's start and end token, (0, 0) where truncation cut it off.
+    ``loader.qa_examples`` holds what scoring maps predicted spans back to text with, in loader order
+    (when not shuffled); ``num_truncated``, ``longest``, ``num_examples`` as :func:`make_text_dataloader`."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    if batch_size < 1:
+        raise LunaConvertError(f"batch size must be at least 1, got {batch_size}")
+    features, labels, examples, truncated = tokenize_qa(dataset, tokenizer, max_length=max_length)
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    collate = _TextCollator(int(pad_id or 0), "right", regression=False)
+    generator = torch.Generator()
+    generator.manual_seed(int(seed))
+    loader = DataLoader(_TokenizedDataset(features, labels), batch_size=batch_size, shuffle=shuffle,
+                        collate_fn=collate, generator=generator)
+    loader.qa_examples = examples
+    loader.num_truncated = truncated
+    loader.longest = max((len(ids) for ids in features["input_ids"]), default=0)
     loader.num_examples = len(labels)
     loader.max_length = max_length
     return loader

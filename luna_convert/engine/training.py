@@ -44,13 +44,19 @@ class StageResult:
 
 # ----------------------------------------------------------------- model calls
 def forward_logits(model: nn.Module, batch: dict) -> torch.Tensor:
-    """Logits for a batch from a transformers model (keyword inputs) or a timm model (a tensor)."""
+    """Logits for a batch from a transformers model (keyword inputs) or a timm model (a tensor). A question
+    answering model's start and end logits come as rows over the positions, [B, 2, S]: with labels [B, 2]
+    (start, end), the cross-entropy of :func:`task_loss` is then the model's own span loss."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     if "pixel_values" in inputs and not _is_transformers(model):
         out = model(inputs["pixel_values"])
     else:
         out = model(**accepted_inputs(model, inputs))
-    return out if torch.is_tensor(out) else out.logits
+    if torch.is_tensor(out):
+        return out
+    if getattr(out, "start_logits", None) is not None:
+        return torch.stack([out.start_logits, out.end_logits], dim=1)
+    return out.logits
 
 
 def accepted_inputs(model: nn.Module, inputs: dict) -> dict:
@@ -72,8 +78,9 @@ def _is_transformers(model: nn.Module) -> bool:
 
 
 def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """MSE for regression; else cross-entropy over examples ([B, C] logits) or tokens ([B, S, C], the
-    positions labelled IGNORE_INDEX left out)."""
+    """MSE for regression; else cross-entropy over examples ([B, C] logits), tokens ([B, S, C], the
+    positions labelled IGNORE_INDEX left out) or a QA model's start and end rows over the positions ([B, 2, S]
+    with labels [B, 2]: the mean of the start and end cross-entropies, the model's own span loss)."""
     if logits.shape[-1] == 1 and labels.is_floating_point():
         return F.mse_loss(logits.squeeze(-1).float(), labels.float())
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX)
@@ -176,24 +183,29 @@ def read_trainer_state(run_dir: Path) -> dict | None:
 # ----------------------------------------------------------------- evaluation
 @torch.no_grad()
 def predict(accelerator, model: nn.Module, loader, description: str = "eval") -> tuple[np.ndarray, np.ndarray]:
-    """Logits and labels over the whole loader, each example counted once across processes. Token labels
-    ([B, S]): every batch padded to the longest (labels with IGNORE_INDEX), giving [N, S, C] and [N, S]."""
+    """Logits and labels over the whole loader, each example counted once across processes. Logits with a
+    position axis (token tasks [B, S, C], QA [B, 2, S]) and token labels ([B, S]): every batch padded to the
+    longest (logits with 0, token labels with IGNORE_INDEX), giving e.g. [N, S, C] and [N, S]."""
     model.eval()
     all_logits, all_labels = [], []
     bar, task = progress_bar(accelerator, description, len(loader))
     with bar:
         for batch in loader:
             logits, labels = forward_logits(model, batch).float(), batch["labels"]
-            if labels.ndim == 2:  # one label a token: batches on other processes may be longer
-                logits = accelerator.pad_across_processes(logits, dim=1)
+            if logits.ndim == 3:  # a position axis: batches on other processes may be longer
+                for dim in (1, 2):
+                    logits = accelerator.pad_across_processes(logits, dim=dim)
+            if labels.ndim == 2:
                 labels = accelerator.pad_across_processes(labels, dim=1, pad_index=IGNORE_INDEX)
             logits, labels = accelerator.gather_for_metrics((logits, labels))
             all_logits.append(logits.cpu())
             all_labels.append(labels.cpu())
             bar.advance(task)
+    if all_logits and all_logits[0].ndim == 3:
+        rows, cols = (max(x.shape[d] for x in all_logits) for d in (1, 2))
+        all_logits = [F.pad(x, (0, cols - x.shape[2], 0, rows - x.shape[1])) for x in all_logits]
     if all_labels and all_labels[0].ndim == 2:
         longest = max(labels.shape[1] for labels in all_labels)
-        all_logits = [F.pad(x, (0, 0, 0, longest - x.shape[1])) for x in all_logits]
         all_labels = [F.pad(y, (0, longest - y.shape[1]), value=IGNORE_INDEX) for y in all_labels]
     return torch.cat(all_logits).numpy(), torch.cat(all_labels).numpy()
 
@@ -246,11 +258,12 @@ def _batches(loader, accelerator, start_batch: int, epoch: int):
 
 def distill_attention(
     accelerator, model: nn.Module, loader, *, steps: int, lr: float, log: Callable[[dict], None] | None = None,
-    target: str = "attention",
+    target: str = "attention", span_logits: bool = False,
 ) -> StageResult:
     """Hedgehog stage 1: train only the feature maps so linear attention rows match softmax rows
     (``target`` "attention"), so each layer's output matches softmax's ("output"), or so the model's
-    logits match those of the same model run with softmax attention ("logits").
+    logits match those of the same model run with softmax attention ("logits"; ``span_logits``: a question
+    answering model's start and end rows over the positions, see :func:`forward_logits`).
 
     The model stays unwrapped (no DDP: most parameters are frozen); feature-map
     gradients are averaged across processes by hand before each update. The
@@ -281,7 +294,7 @@ def distill_attention(
                         if target == "logits":
                             teacher = softmax_logits(model, layers, batch)
                             loss = logits_distillation_loss(teacher, forward_logits(model, batch),
-                                                            batch.get("attention_mask"))
+                                                            batch.get("attention_mask"), over_positions=span_logits)
                         else:
                             forward_logits(model, batch)
                             loss = torch.stack([layer.distill_loss for layer in layers]).mean()

@@ -78,12 +78,19 @@ def output_distillation_loss(teacher: torch.Tensor, student: torch.Tensor,
 
 
 def logits_distillation_loss(teacher: torch.Tensor, student: torch.Tensor,
-                             token_mask: torch.Tensor | None = None) -> torch.Tensor:
+                             token_mask: torch.Tensor | None = None, over_positions: bool = False) -> torch.Tensor:
     """The model-level target: KL(softmax(teacher) || softmax(student)) over the classes, mean over
     examples (as RADLADS / Mamba-in-the-Llama distil); one output (regression): the squared error.
-    Per-token logits [B, N, C] with ``token_mask`` [B, N]: the mean over real tokens only."""
+    Per-token logits [B, N, C] with ``token_mask`` [B, N]: the mean over real tokens only. ``over_positions``:
+    logits [B, R, N] whose rows are distributions over the N positions (extractive QA's start and end rows),
+    padded positions (``token_mask`` 0) left out of every row's softmax; the mean over the B x R rows."""
     teacher, student = teacher.float(), student.float()
-    if teacher.dim() == 3 and token_mask is not None:
+    if over_positions:
+        if token_mask is not None:
+            # a finite stand-in for -inf: a padded position gets probability 0 and adds 0 (not NaN) to the KL
+            padded = ~token_mask.bool()[:, None, :]
+            teacher, student = teacher.masked_fill(padded, -1e9), student.masked_fill(padded, -1e9)
+    elif teacher.dim() == 3 and token_mask is not None:
         real = token_mask.bool()
         teacher, student = teacher[real], student[real]
     if teacher.shape[-1] == 1:

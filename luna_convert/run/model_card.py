@@ -47,7 +47,8 @@ def model_card_text(results: dict, config: dict) -> str:
 def card_metadata(results: dict, config: dict) -> dict:
     task = task_for(config)
     pipeline_tag = ("image-classification" if task.kind == "image" else
-                    "token-classification" if task.is_token_level else "text-classification")
+                    "token-classification" if task.is_token_level else
+                    "question-answering" if task.is_span_level else "text-classification")
     method = results["method"]
     converted = results["converted_metrics"]
     meta: dict = {}

@@ -97,16 +97,17 @@ def example_inputs(model: nn.Module) -> tuple[tuple, dict]:
     return (), {"input_ids": ids.to(ref.device)}
 
 
-def load_model(source: str, num_labels: int | None = None, token_level: bool = False) -> LoadedModel:
+def load_model(source: str, num_labels: int | None = None, level: str = "sequence") -> LoadedModel:
     """Load a classifier and its preprocessing. ``num_labels`` sizes a fresh head only when the
-    checkpoint has none (a base model); a finetuned head is kept as it is. ``token_level``: load a
-    token-classification model (a prediction a token, for NER). A checkpoint whose head (its
-    ``architectures``) is of the other kind is refused either way."""
+    checkpoint has none (a base model); a finetuned head is kept as it is. ``level`` is the task's
+    (:class:`~luna_convert.tasks.TaskSpec`): "token" loads a token-classification model (a prediction a
+    token, for NER), "span" a question-answering one (start and end logits a token). A checkpoint whose
+    head (its ``architectures``) is of another kind is refused."""
     path = Path(source)
     if path.is_dir() and (path / CONVERSION_FILE).is_file():
         meta = read_metadata(path)
         if meta["model"]["library"] == "transformers":
-            _check_head([meta["model"]["class"]], source, token_level)
+            _check_head([meta["model"]["class"]], source, level)
         model = load(path)
         if meta["model"]["library"] == "timm":
             return LoadedModel(model, "image", image_config=meta.get("image_config") or _timm_image_config(model),
@@ -138,9 +139,8 @@ def load_model(source: str, num_labels: int | None = None, token_level: bool = F
         if _is_vision_config(config):
             auto = transformers.AutoModelForImageClassification
         else:
-            _check_head(list(getattr(config, "architectures", None) or []), source, token_level)
-            auto = (transformers.AutoModelForTokenClassification if token_level
-                    else transformers.AutoModelForSequenceClassification)
+            _check_head(list(getattr(config, "architectures", None) or []), source, level)
+            auto = getattr(transformers, _AUTO_CLASSES[level])
         model = auto.from_pretrained(source, **kwargs)
     except LunaConvertError:
         raise
@@ -155,24 +155,31 @@ def load_model(source: str, num_labels: int | None = None, token_level: bool = F
     return _with_transformers_preprocessing(model, source, source)
 
 
-def _check_head(architectures: list[str], source: str, token_level: bool) -> None:
-    """A text checkpoint's head (its model classes) fits the task: loading a token head as a sequence one
-    (or the other way) would silently replace the finetuned head with an untrained one."""
-    token_head = any(a.endswith("ForTokenClassification") for a in architectures)
-    if token_head and not token_level:
-        raise LunaConvertError(f"{source} is a token-classification (NER) model ({architectures[0]}); "
-                               "run it with --task ner")
-    if token_level and architectures and not token_head:
-        raise LunaConvertError(f"{source} is not a token-classification model (its architectures: "
-                               f"{', '.join(architectures)}); a token task (--task ner) needs one, e.g. "
-                               "BertForTokenClassification")
+# task level -> the transformers auto class that loads its head
+_AUTO_CLASSES = {"sequence": "AutoModelForSequenceClassification", "token": "AutoModelForTokenClassification",
+                 "span": "AutoModelForQuestionAnswering"}
+# task level -> (architecture suffix of its head, what the head is called, the task that runs it)
+_HEADS = {"token": ("ForTokenClassification", "token-classification (NER)", "ner"),
+          "span": ("ForQuestionAnswering", "question-answering", "qa")}
+
+
+def _check_head(architectures: list[str], source: str, level: str) -> None:
+    """A text checkpoint's head (its model classes) fits the task: loading a token or QA head as a sequence
+    one (or the other way) would silently replace the finetuned head with an untrained one."""
+    for head_level, (suffix, what, task) in _HEADS.items():
+        has_head = any(a.endswith(suffix) for a in architectures)
+        if has_head and level != head_level:
+            raise LunaConvertError(f"{source} is a {what} model ({architectures[0]}); run it with --task {task}")
+        if level == head_level and architectures and not has_head:
+            raise LunaConvertError(f"{source} is not a {what.split(' ')[0]} model (its architectures: "
+                                   f"{', '.join(architectures)}); --task {task} needs one, e.g. Bert{suffix}")
 
 
 def _local_load_error(source: str, error: Exception) -> LunaConvertError:
     reason = (str(error).strip().splitlines() or [""])[0][:200]
     return LunaConvertError(f"cannot load the model in {source} ({type(error).__name__}: {reason}); the folder must "
                             "hold a complete transformers checkpoint (config.json and its weights) of a "
-                            "sequence-, token- or image-classification model")
+                            "sequence-, token- or image-classification or question-answering model")
 
 
 def check_model_folder(path: Path) -> None:

@@ -288,7 +288,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
 
     source = ensure_builtin(config["model"], accelerator, config["output_dir"], console=say, data_dir=config["data_dir"])
     set_seed(config["seed"])
-    loaded = load_model(source, task.num_labels if task else None, token_level=bool(task and task.is_token_level))
+    loaded = load_model(source, task.num_labels if task else None, level=task.level if task else "sequence")
     if own_data:
         resolve_own_data(config, loaded, say=say)
         task = task_for(config)
@@ -377,7 +377,8 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         say(f"distilling attention for {n_distill} steps: each linear attention learns to match its softmax attention")
         d = config["distill"]
         stage = distill_attention(accelerator, model, accelerator.prepare_data_loader(
-            data.train_loader(d["batch_size"])), steps=n_distill, lr=d["lr"], log=log, target=d["target"])
+            data.train_loader(d["batch_size"])), steps=n_distill, lr=d["lr"], log=log, target=d["target"],
+            span_logits=task.is_span_level)
         timings["distill_s"] = stage.seconds
         if accelerator.is_main_process:
             save(model, distilled_dir, overwrite=True,
@@ -529,7 +530,7 @@ def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | No
                   "max_train_examples": None, "batch_size": batch_size, "image_size": (run_config.get("train") or {}).get("image_size")},
     }
     config["train"]["max_length"] = max_length or config["train"].get("max_length", 128)
-    loaded = load_model(source, task.num_labels, token_level=task.is_token_level)
+    loaded = load_model(source, task.num_labels, level=task.level)
     if heads and not is_converted(loaded.model):
         raise LunaConvertError(f"{source} is not converted: --heads compares a converted model's linear attention "
                                "with softmax; pass a run folder or a converted model")

@@ -27,7 +27,12 @@ class TaskData:
 
         def split(name: str, limit, train: bool, batch_size: int):
             dataset = data.load_split(task, name, config["data_dir"], max_examples=limit, seed=config["seed"])
-            if task.kind == "text":
+            if task.is_span_level:  # answers are spans of the context: no labels to align with the model's
+                loader = data.make_qa_dataloader(dataset, loaded.tokenizer, batch_size=batch_size,
+                                                 max_length=t["max_length"], shuffle=train, seed=config["seed"])
+                self.truncated_by_split[name] = loader.num_truncated
+                check_positions(loaded, loader.longest, t["max_length"])
+            elif task.kind == "text":
                 dataset = data.align_labels(dataset, task, loaded.id2label, loaded.num_labels)
                 loader = data.make_text_dataloader(dataset, task, loaded.tokenizer, batch_size=batch_size,
                                                    max_length=t["max_length"], shuffle=train, seed=config["seed"])
