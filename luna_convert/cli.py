@@ -179,9 +179,9 @@ def run(
         def build():
             overrides = _overrides(cli, set_)
             config = apply_overrides(load_recipe(recipe), overrides)
-            config["overwrite"] = overwrite
+            config.overwrite = overwrite
             if run_dir is not None:
-                config["run_dir"] = str(run_dir)
+                config.run_dir = str(run_dir)
             if recipe is None:  # own model + own data: unset training settings are chosen from their sizes
                 from .run.autoconfig import mark_auto
 
@@ -201,24 +201,23 @@ def _resume_alone(given: list) -> None:
                            f"{', '.join(given)} (or start a new run with them)")
 
 
-def _dry_run(config: dict) -> None:
+def _dry_run(config) -> None:
     from .run.autoconfig import needs_resolution, resolve_own_data
     from .run.models import load_model
-    from .run.pipeline import validate
 
-    validate(config)
+    config.check_runnable()
     if not needs_resolution(config):
         raise LunaConvertError("--dry-run shows what is inferred for your own data: pass --model and --data-dir "
                                "without a recipe (and without a GLUE/image benchmark --task)")
-    resolve_own_data(config, load_model(config["model"]), say=console.print)
+    resolve_own_data(config, load_model(config.model), say=console.print)
 
 
 def _run_pipeline(config, resume=None):
     from .run.pipeline import run_conversion
 
     if config is not None:
-        console.print(f"[bold]luna-convert[/] {config['name'] or ''} method={config['method']} model={config['model']} "
-                      f"task={config['task'] or 'auto'}")
+        console.print(f"[bold]luna-convert[/] {config.name or ''} method={config.method} model={config.model} "
+                      f"task={config.task or 'auto'}")
     return run_conversion(config, resume=resume, console=console)
 
 
@@ -241,7 +240,9 @@ def _print_results(results: dict) -> None:
                   f"{results['timings']['total_s']:.0f} s")
     cut = {k: v for k, v in (results.get("truncated_by_split") or {}).items() if v}
     if cut:
-        console.print(f"truncated to max_length {results['config']['train']['max_length']}: "
+        from .run.config import RunConfig
+
+        console.print(f"truncated to max_length {RunConfig.from_dict(results['config']).train.max_length}: "
                       + ", ".join(f"{n} {split} examples" for split, n in cut.items()))
 
 
@@ -401,8 +402,8 @@ def compare(
         return config
 
     config = _guard(build)
-    case = config["name"] or Path(str(config["model"])).name
-    target = folder or Path(config["output_dir"]) / f"compare-{case}"
+    case = config.name or Path(str(config.model)).name
+    target = folder or Path(config.output_dir) / f"compare-{case}"
     summary = _guard(lambda: run_compare(config, method_list, seed_list, target, control=control, console=console))
     from .run.compare import markdown_table
 
@@ -434,7 +435,7 @@ def demo(
     if threads or "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads or 1)
     console.print(f"demo: a small softmax ViT that reads scikit-learn's 8x8 digits (shipped with luna-convert) is "
-                  f"converted to {config['method']} linear attention, trained back briefly and scored against its "
+                  f"converted to {config.method} linear attention, trained back briefly and scored against its "
                   "original on the same held-out digits", soft_wrap=True, highlight=False)
     try:
         results = _guard(lambda: _run_pipeline(config))

@@ -14,6 +14,7 @@ from torch import nn
 
 import luna_convert
 from luna_convert.conversion import linear_attention_modules
+from luna_convert.run.config import RunConfig
 from luna_convert.run.recipes import apply_overrides, load_recipe
 
 WORDS = "good great fine awful bad poor movie film plot actor the a is was very not".split()
@@ -91,7 +92,7 @@ def write_timm_checkpoint(folder: Path, num_classes: int = 3, img_size: int = 32
     return folder
 
 
-def config_for(model: Path, data: Path, task: str, method: str, out: Path, **train) -> dict:
+def config_for(model: Path, data: Path, task: str, method: str, out: Path, **train) -> RunConfig:
     overrides = {"model": str(model), "data_dir": str(data), "task": task, "method": method,
                  "output_dir": str(out), "train.max_steps": 3, "train.batch_size": 8, "train.eval_batch_size": 8,
                  "train.lr": 1e-3, "distill.default_steps": 2, "seed": 0}

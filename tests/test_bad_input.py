@@ -259,6 +259,7 @@ def test_two_runs_started_in_the_same_second_get_two_folders(tmp_path, monkeypat
     from datetime import datetime
 
     import luna_convert.run.pipeline as pipeline
+    from luna_convert.run.config import RunConfig
 
     class FrozenClock:
         @staticmethod
@@ -266,7 +267,7 @@ def test_two_runs_started_in_the_same_second_get_two_folders(tmp_path, monkeypat
             return datetime(2026, 1, 2, 3, 4, 5)
 
     monkeypatch.setattr(pipeline, "datetime", FrozenClock)
-    config = {"output_dir": str(tmp_path), "name": "r", "method": "luna"}
+    config = RunConfig(output_dir=str(tmp_path), name="r", method="luna")
     first = pipeline.new_run_dir(config)
     first.mkdir()
     second = pipeline.new_run_dir(config)

@@ -57,7 +57,7 @@ def test_lora_trains_adapters_head_and_what_conversion_added_then_merges_exactly
 def test_run_with_lora_saves_the_plain_converted_model(tmp_path):
     model_dir, data_dir = write_bert_checkpoint(tmp_path / "bert"), write_sst2(tmp_path / "SST-2")
     config = config_for(model_dir, data_dir, "sst2", "hedgehog", tmp_path / "out")
-    config["lora"]["rank"] = 2
+    config.lora.rank = 2
     results = run_conversion(config)
     assert results["lora"]["rank"] == 2 and results["lora"]["alpha"] == 4.0
     assert results["lora"]["trainable_params"] < results["lora"]["total_params"]
@@ -76,22 +76,18 @@ def test_run_with_lora_saves_the_plain_converted_model(tmp_path):
     ("dropout", 1.0, "lora.dropout must be a fraction"),
 ])
 def test_bad_lora_settings_are_refused_before_the_run(tmp_path, key, value, message):
-    from luna_convert.run.pipeline import validate
-
     config = config_for(tmp_path / "m", tmp_path / "d", "sst2", "luna", tmp_path / "out")
-    config["lora"]["rank"] = 2
-    config["lora"][key] = value
+    config.lora.rank = 2
+    setattr(config.lora, key, value)
     with pytest.raises(LunaConvertError, match=message):
-        validate(config)
+        config.check_runnable()
 
 
 def test_lora_without_peft_says_how_to_install(tmp_path, monkeypatch):
     import sys
 
-    from luna_convert.run.pipeline import validate
-
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft now raises ImportError
     config = config_for(tmp_path / "m", tmp_path / "d", "sst2", "luna", tmp_path / "out")
-    config["lora"]["rank"] = 4
+    config.lora.rank = 4
     with pytest.raises(LunaConvertError, match=r"LoRA needs the peft library: pip install 'luna-convert\[lora\]'"):
-        validate(config)
+        config.check_runnable()

@@ -14,6 +14,7 @@ from luna_convert.run.autoconfig import (
     choose_hyperparameters, choose_max_length, detect_columns, infer_task, mark_auto, resolve_own_data, task_for,
 )
 from luna_convert.errors import LunaConvertError
+from luna_convert.run.config import RunConfig
 from luna_convert.run.models import load_model
 from luna_convert.run.recipes import apply_overrides, load_recipe
 from builders import start_cli, write_timm_checkpoint
@@ -101,7 +102,7 @@ def tiny_timm(folder: Path, num_classes: int = 3) -> Path:
     return write_timm_checkpoint(folder, num_classes, img_size=16, embed_dim=16, depth=1, num_heads=2)
 
 
-def own_config(model: Path, data, **over) -> dict:
+def own_config(model: Path, data, **over) -> RunConfig:
     overrides = {"model": str(model), "data_dir": str(data), "seed": 0, **over}
     config = apply_overrides(load_recipe(None), overrides)
     return mark_auto(config, overrides)
@@ -173,14 +174,14 @@ def test_resolve_text_csv_infers_everything(bert, csv_data):
     loaded = load_model(str(bert))
     lines = []
     resolved = resolve_own_data(config, loaded, say=lines.append)
-    assert config["task"] == "text-classification" and resolved["task"] == "text-classification"
+    assert config.task == "text-classification" and resolved["task"] == "text-classification"
     assert resolved["columns"]["text"] == "review" and resolved["columns"]["label"] == "stars"
     assert resolved["data"]["train_split"] == "train" and resolved["data"]["eval_split"] == "dev"
     assert resolved["data"]["train_examples"] == 40 and resolved["data"]["eval_examples"] == 12
     assert resolved["metric"]["headline"] == "accuracy"
     assert set(resolved["metric"]["all"]) == {"accuracy", "macro_f1", "matthews_correlation"}
-    assert config["train"]["lr"] == 5e-5 and config["train"]["batch_size"] == 32
-    assert config["train"]["epochs"] == 10.0 and config["train"]["max_length"] == 16
+    assert config.train.lr == 5e-5 and config.train.batch_size == 32
+    assert config.train.epochs == 10.0 and config.train.max_length == 16
     assert any("text=review" in line for line in lines)
     spec = task_for(config)
     assert spec.text_columns == ("review",) and spec.label_column == "stars" and spec.eval_split == "dev"
@@ -205,7 +206,7 @@ def test_resolve_image_folder_is_image_classification(tmp_path):
     data = image_folder(tmp_path / "images")
     config = own_config(model, data)
     resolved = resolve_own_data(config, load_model(str(model)))
-    assert resolved["task"] == "image-classification" and config["train"]["batch_size"] == 12  # 64 capped at 12
+    assert resolved["task"] == "image-classification" and config.train.batch_size == 12  # 64 capped at 12
     assert resolved["data"]["eval_split"] == "val" and resolved["labels"]["classes"] == ["cat", "dog", "fox"]
     assert resolved["max_length"] is None
     with pytest.raises(LunaConvertError, match="the data has 3 classes .* predicts 5"):

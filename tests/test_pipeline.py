@@ -136,7 +136,7 @@ def test_every_shipped_recipe_loads_and_names_a_known_method_and_task():
     assert {"bert-base-sst2", "distilbert-sst2", "vit-b16-imagenet", "digits-vit", "minilm-sst2"} <= set(recipes)
     for name in recipes:
         config = load_recipe(name)
-        assert config["name"] == name and config["model"], name
-        assert config["method"] in METHODS, name
-        get_task(config["task"])  # raises for an unknown task
-        assert config["train"]["lr"] > 0 and config["train"]["batch_size"] >= 1, name
+        assert config.name == name and config.model, name
+        assert config.method in METHODS, name
+        get_task(config.task)  # raises for an unknown task
+        assert config.train.lr > 0 and config.train.batch_size >= 1, name

@@ -194,7 +194,7 @@ def test_run_distils_on_the_chosen_target(tiny_case, tmp_path, target, bound):
     """output: a relative error, not a cross-entropy; logits: a KL between 2-class distributions. Both small."""
     model_dir, data_dir = tiny_case
     config = config_for(model_dir, data_dir, "sst2", "hedgehog", tmp_path)
-    config["distill"]["target"] = target
+    config.distill.target = target
     results = run_conversion(config)
     log = [json.loads(line) for line in (Path(results["run_dir"]) / "train_log.jsonl").read_text().splitlines()]
     distil = [e["loss"] for e in log if e["stage"] == "distill"]
@@ -279,7 +279,7 @@ def test_run_keeps_softmax_layers_from_the_cli_setting(tiny_case, tmp_path):
 
     model_dir, data_dir = tiny_case
     config = config_for(model_dir, data_dir, "sst2", "t2r", tmp_path / "a")
-    config["keep_softmax_layers"] = [0]
+    config.keep_softmax_layers = [0]
     results = run_conversion(config)
     assert results["conversion"]["kept_softmax"] == ["bert.encoder.layer.0.attention.self"]
     assert [m["name"] for m in results["conversion"]["modules"]] == ["bert.encoder.layer.1.attention.self"]
@@ -418,7 +418,7 @@ def test_logits_distillation_trains_only_the_maps_and_lowers_the_kl():
 def test_a_method_without_parameters_skips_distillation_and_says_so(tiny_case, tmp_path):
     model_dir, data_dir = tiny_case
     config = config_for(model_dir, data_dir, "sst2", "elu", tmp_path)
-    config["distill"]["steps"] = 2  # as a compare recipe gives every method
+    config.distill.steps = 2  # as a compare recipe gives every method
     lines = []
     results = run_conversion(config, console=type("Console", (), {"print": lambda self, *a, **k: lines.append(str(a[0]))})())
     assert results["steps"]["distill"] == 0 and "after_distillation" not in results["stage_scores"]

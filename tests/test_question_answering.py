@@ -330,7 +330,7 @@ def test_qa_run_through_the_cli_and_eval_of_its_folder(qa_setup, tmp_path):
 def test_logits_distillation_runs_on_start_and_end_rows(qa_setup, tmp_path):
     model_dir, data_dir = qa_setup
     config = config_for(model_dir, data_dir, "qa", "luna", tmp_path, max_steps=1)
-    config["distill"]["target"] = "logits"
+    config.distill.target = "logits"
     results = run_conversion(config)
     assert results["steps"]["distill"] == 2 and np.isfinite(results["final_loss"])
     log = [json.loads(line) for line in (Path(results["run_dir"]) / LOG_FILE).read_text().splitlines()]

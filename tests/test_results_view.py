@@ -11,6 +11,7 @@ import shlex
 import shutil
 import subprocess
 import types
+from dataclasses import replace
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -19,8 +20,9 @@ from typer.testing import CliRunner
 
 from luna_convert.metrics import recovered_pct
 from luna_convert.run.model_card import MODEL_CARD_FILE, reproduce_command, write_model_card
+from luna_convert.run.config import RunConfig
 from luna_convert.run.plots import CURVES_FILE, loss_series, write_curves
-from luna_convert.run.recipes import DEFAULTS, apply_overrides, load_recipe
+from luna_convert.run.recipes import apply_overrides, load_recipe
 from luna_convert.tools.report_html import write_html_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -46,7 +48,7 @@ def fake_run(folder: Path, method: str, task: str, teacher: float, converted: fl
         "eval_examples": 872, "steps": {"distill": distill, "finetune": finetune}, "seed": 3,
         "conversion": {"method": method, "options": {"feature_dim": 16}, "params_added": 1234,
                        "modules": [{"name": "layer.0"}, {"name": "layer.1"}]},
-        "config": config, "run_dir": str(folder),
+        "config": config.to_dict(), "run_dir": str(folder),
     }
     (folder / "results.json").write_text(json.dumps(results))
     return results
@@ -140,7 +142,7 @@ def test_model_card_loads_with_huggingface_hub_and_carries_the_measured_results(
     assert (ours["teacher_score"], ours["converted_score"], ours["recovered_pct"]) == (
         results["teacher_score"], results["converted_score"], results["recovered_pct"])
     assert f"{results['recovered_pct']:.1f}% of the original recovered" in card.text
-    assert reproduce_command(results["config"]) in card.text
+    assert reproduce_command(RunConfig.from_dict(results["config"])) in card.text
     assert ModelCard(path.read_text()).data.to_dict() == data.to_dict()  # the text parses as it loads
 
 
@@ -155,7 +157,7 @@ def test_model_card_names_a_base_model_only_for_hub_models(tmp_path, model, base
 
 
 @pytest.mark.parametrize("recipe, overrides", [
-    ("bert-base-sst2", {"method": "hedgehog", "train.lr": 1e-5, "method_options.feature_dim": 32,
+    ("bert-base-sst2", {"method": "hedgehog", "train.lr": 1e-5, "method_options.dwc_kernel": 5,
                         "distill.steps": 7, "train.mixed_precision": "bf16", "data_dir": "/data/my glue/SST-2"}),
     (None, {"model": "/models/bert", "data_dir": "/data/reviews", "task": "text-classification",
             "columns.text": "review", "train.max_steps": 40, "train.augment": False, "eval_split": "dev"}),
@@ -174,8 +176,8 @@ def test_the_card_s_command_rebuilds_the_run_s_config(monkeypatch, recipe, overr
     assert words[0] == "luna-convert"
     result = CliRunner().invoke(app, words[1:])
     assert result.exit_code == 0, result.output
-    for key in set(DEFAULTS) - {"name", "description", "output_dir"}:
-        assert captured["config"][key] == config[key], key
+    for key in set(RunConfig().to_dict()) - {"name", "description", "output_dir"}:
+        assert getattr(captured["config"], key) == getattr(config, key), key
 
 
 # ----------------------------------------------------------------- curves
@@ -213,9 +215,9 @@ def test_a_pipeline_run_writes_its_card_and_curves_and_overwrite_replaces_them(t
     from luna_convert.run.pipeline import run_conversion
 
     model_dir, data_dir = write_bert_checkpoint(tmp_path / "bert"), write_sst2(tmp_path / "SST-2")
-    config = {**config_for(model_dir, data_dir, "sst2", "hedgehog", tmp_path / "out"), "run_dir": str(tmp_path / "r")}
+    config = replace(config_for(model_dir, data_dir, "sst2", "hedgehog", tmp_path / "out"), run_dir=str(tmp_path / "r"))
     for overwrite in (False, True):  # the second run replaces the first, README.md and curves.png included
-        results = run_conversion({**config, "overwrite": overwrite})
+        results = run_conversion(replace(config, overwrite=overwrite))
     run_dir = Path(results["run_dir"])
     on_disk = json.loads((run_dir / "results.json").read_text())
     ours = ModelCard.load(run_dir / MODEL_CARD_FILE).data.to_dict()["luna_convert"]

@@ -17,7 +17,7 @@ tasks ``text-classification``, ``text-pair-classification``, ``text-regression``
 * training defaults for the settings the user did not give (:func:`choose_hyperparameters`,
   :func:`choose_max_length`).
 
-What it chose and why goes to ``config["resolved"]`` (saved in config.json and results.json) and is
+What it chose and why goes to ``config.resolved`` (saved in config.json and results.json) and is
 printed before training. :func:`task_for` rebuilds the run's task from a config (also on resume and
 ``luna-convert eval``).
 """
@@ -35,6 +35,7 @@ from .. import data
 from ..data import (TABLE_EXTENSIONS, align_labels, canonical_split, model_label_names, normalize_label_name,
                     short_list)
 from ..metrics import metric_names
+from .config import RunConfig
 
 __all__ = [
     "OWN_DATA_TASKS", "AUTO_KEYS", "needs_resolution", "mark_auto", "task_for", "infer_task",
@@ -71,21 +72,20 @@ METRIC_ALIASES = {"spearman": "spearmanr", "mcc": "matthews_correlation", "matth
 
 
 # ------------------------------------------------------------------ config glue
-def needs_resolution(config: dict) -> bool:
+def needs_resolution(config: RunConfig) -> bool:
     """True for runs on the user's own data that have not been resolved yet (no task, or a generic one)."""
-    if config.get("resolved"):
+    if config.resolved:
         return False
-    task = config.get("task")
-    return task is None or get_task(task).name in OWN_DATA_TASKS
+    return config.task is None or get_task(config.task).name in OWN_DATA_TASKS
 
 
-def mark_auto(config: dict, given: dict) -> dict:
+def mark_auto(config: RunConfig, given: dict) -> RunConfig:
     """Let :func:`resolve_own_data` choose every setting of :data:`AUTO_KEYS` that is not in ``given``;
     name an own-data run after its model and data folders (``outputs/<model>-<data>-<method>-<time>``)."""
-    config["auto"] = [k for k in AUTO_KEYS if given.get(k) is None]
-    if config.get("name") is None and config.get("model") and config.get("data_dir") and needs_resolution(config):
-        parts = [Path(str(config["model"]).rstrip("/")).name, Path(str(config["data_dir"]).rstrip("/")).name]
-        config["name"] = "-".join("".join(ch if ch.isalnum() or ch in "._" else "-" for ch in p) for p in parts)
+    config.auto = [k for k in AUTO_KEYS if given.get(k) is None]
+    if config.name is None and config.model and config.data_dir and needs_resolution(config):
+        parts = [Path(str(config.model).rstrip("/")).name, Path(str(config.data_dir).rstrip("/")).name]
+        config.name = "-".join("".join(ch if ch.isalnum() or ch in "._" else "-" for ch in p) for p in parts)
     return config
 
 
@@ -115,15 +115,15 @@ def resolve_metric(spec: TaskSpec, metric: str | None, num_classes: int | None =
     return key
 
 
-def task_for(config: dict) -> TaskSpec:
+def task_for(config: RunConfig) -> TaskSpec:
     """The run's task: the resolved own-data task if there is one, else the named task; with
     ``train_split`` / ``metric`` from the config applied."""
-    resolved = config.get("resolved") or {}
-    spec = _spec_from_dict(resolved["task_spec"]) if resolved.get("task_spec") else get_task(config["task"])
-    if config.get("train_split"):
-        spec = dataclasses.replace(spec, train_split=config["train_split"])
-    if config.get("metric"):
-        spec = dataclasses.replace(spec, headline=resolve_metric(spec, config["metric"]))
+    resolved = config.resolved or {}
+    spec = _spec_from_dict(resolved["task_spec"]) if resolved.get("task_spec") else get_task(config.task)
+    if config.train_split:
+        spec = dataclasses.replace(spec, train_split=config.train_split)
+    if config.metric:
+        spec = dataclasses.replace(spec, headline=resolve_metric(spec, config.metric))
     return spec
 
 
@@ -371,42 +371,42 @@ def _raw_columns(data_dir, split: str, spec: TaskSpec, limit: int = 5000) -> tup
 
 
 # ------------------------------------------------------------------ the resolver
-def resolve_own_data(config: dict, loaded, say: Callable[[str], None] | None = None) -> dict:
+def resolve_own_data(config: RunConfig, loaded, say: Callable[[str], None] | None = None) -> dict:
     """Infer task, splits, columns, labels, metric and unset training settings for ``loaded`` on
-    ``config["data_dir"]``. Updates ``config`` (``task``, ``train.*``, ``resolved``) and returns
-    ``config["resolved"]``. Raises :class:`LunaConvertError` with a one-line message on data the
+    ``config.data_dir``. Updates ``config`` (``task``, ``train.*``, ``resolved``) and returns
+    ``config.resolved``. Raises :class:`LunaConvertError` with a one-line message on data the
     model cannot use (missing/wrong columns, unmatched labels, empty splits, too many positions)."""
 
-    data_dir = config.get("data_dir")
+    data_dir = config.data_dir
     if not data_dir:
         raise LunaConvertError("your own data needs --data-dir: a folder of train/dev csv, tsv, jsonl or parquet files, "
                                "an ImageFolder, a save_to_disk folder, or hf:<dataset id>")
-    model_name = config.get("model") or loaded.source
+    model_name = config.model or loaded.source
     kind, num_labels = loaded.kind, loaded.num_labels
     mconf = getattr(loaded.model, "config", None)
     problem_type = getattr(mconf, "problem_type", None)
-    requested = get_task(config["task"]) if config.get("task") else None
+    requested = get_task(config.task) if config.task else None
     if requested is not None:
         _check_requested(requested, kind, num_labels, problem_type, model_name)
-    t = config["train"]
-    seed = config.get("seed", 0)
+    t = config.train
+    seed = config.seed
     columns: dict = {}
     labels: dict = {}
 
     names, source = _available_splits(data_dir, kind)
     where = f"{source} {data_dir}"
-    train_split = _pick_split(names, config.get("train_split"), "train", where)
-    eval_split = _pick_split(names, config.get("eval_split"), "eval", where, skip=train_split)
+    train_split = _pick_split(names, config.train_split, "train", where)
+    eval_split = _pick_split(names, config.eval_split, "eval", where, skip=train_split)
 
     if kind == "image":
         name = "image-classification"
         task_why = "image model"
         spec = dataclasses.replace(get_task(name), num_labels=num_labels, train_split=train_split,
                                    eval_split=eval_split)
-        if data.datasets_source(data_dir) is not None and config.get("columns", {}).get("label"):
-            spec = dataclasses.replace(spec, label_column=config["columns"]["label"])
-        train_ds = data.load_split(spec, train_split, data_dir, max_examples=t.get("max_train_examples"), seed=seed)
-        eval_ds = data.load_split(spec, eval_split, data_dir, max_examples=t.get("max_eval_examples"), seed=seed)
+        if data.datasets_source(data_dir) is not None and config.columns.label:
+            spec = dataclasses.replace(spec, label_column=config.columns.label)
+        train_ds = data.load_split(spec, train_split, data_dir, max_examples=t.max_train_examples, seed=seed)
+        eval_ds = data.load_split(spec, eval_split, data_dir, max_examples=t.max_eval_examples, seed=seed)
         classes = list(getattr(train_ds, "classes", []) or [])
         model_names = data.model_label_names(loaded.id2label, num_labels)
         if len(classes) != num_labels:
@@ -421,12 +421,12 @@ def resolve_own_data(config: dict, loaded, say: Callable[[str], None] | None = N
         if hasattr(train_ds, "label_column"):
             columns = {"image": train_ds.image_column, "label": train_ds.label_column}
     else:
-        cols_cfg = config.get("columns") or {}
+        cols_cfg = config.columns
         generic = get_task("text-classification")
         raw, class_names, raw_where = _raw_columns(data_dir, train_split, generic)
         want_pair = requested.is_pair if requested is not None else None
-        text, pair, label, col_why = detect_columns(raw, cols_cfg.get("text"), cols_cfg.get("text_pair"),
-                                                    cols_cfg.get("label"), raw_where, want_pair=want_pair)
+        text, pair, label, col_why = detect_columns(raw, cols_cfg.text, cols_cfg.text_pair, cols_cfg.label, raw_where,
+                                                    want_pair=want_pair)
         if requested is not None:
             name, task_why = requested.name, "--task"
         else:
@@ -440,40 +440,39 @@ def resolve_own_data(config: dict, loaded, say: Callable[[str], None] | None = N
                                    num_labels=num_labels, label_names=label_names, train_split=train_split,
                                    eval_split=eval_split)
         columns = {"text": text, "text_pair": pair, "label": label, "why": col_why}
-        train_ds = data.load_split(spec, train_split, data_dir, max_examples=t.get("max_train_examples"), seed=seed)
-        eval_ds = data.load_split(spec, eval_split, data_dir, max_examples=t.get("max_eval_examples"), seed=seed)
+        train_ds = data.load_split(spec, train_split, data_dir, max_examples=t.max_train_examples, seed=seed)
+        eval_ds = data.load_split(spec, eval_split, data_dir, max_examples=t.max_eval_examples, seed=seed)
         labels = _check_text_labels(spec, train_ds, eval_ds, loaded, model_name, eval_split)
 
     n_train, n_eval = len(train_ds), len(eval_ds)
-    headline = resolve_metric(spec, config.get("metric"), num_labels)
+    headline = resolve_metric(spec, config.metric, num_labels)
     spec = dataclasses.replace(spec, headline=headline)
 
     num_params = sum(p.numel() for p in loaded.model.parameters())
     limit = model_position_limit(loaded) if kind == "text" else None
-    auto = set(config.get("auto") or ())
+    auto = set(config.auto or ())
     hparams: dict[str, dict] = {}
     for key, (value, why) in choose_hyperparameters(num_params, n_train, kind).items():
-        section, leaf = key.split(".")
         if key in auto:
-            config[section][leaf] = value
+            config.set_setting(key, value)
             hparams[key] = {"value": value, "why": why}
         else:
-            hparams[key] = {"value": config[section][leaf], "why": "given"}
+            hparams[key] = {"value": config.setting(key), "why": "given"}
     length_info = None
     if kind == "text":
         lengths, sampled = _token_lengths(train_ds, spec, loaded.tokenizer, seed)
         if "train.max_length" in auto:
             value, why = choose_max_length(lengths, limit)
-            t["max_length"] = value
+            t.max_length = value
         else:
-            value, why = t["max_length"], "given"
+            value, why = t.max_length, "given"
             check_positions(loaded, value, value)
         cut = sum(n > value for n in lengths)
         hparams["train.max_length"] = {"value": value, "why": why}
         length_info = {"max_length": value, "percentile_99": _percentile(lengths, 99), "longest": max(lengths, default=0),
                        "train_examples_cut": cut, "measured_on": sampled, "model_positions": limit}
-    if t.get("max_steps"):
-        hparams["train.max_steps"] = {"value": t["max_steps"], "why": "given, overrides epochs"}
+    if t.max_steps:
+        hparams["train.max_steps"] = {"value": t.max_steps, "why": "given, overrides epochs"}
 
     resolved = {
         "task": spec.name,
@@ -484,13 +483,13 @@ def resolve_own_data(config: dict, loaded, say: Callable[[str], None] | None = N
         "columns": columns,
         "labels": labels,
         "metric": {"headline": headline, "all": list(metric_names(spec, num_labels)),
-                   "why": "--metric" if config.get("metric") else f"{'regression' if spec.is_regression else 'classification'} default"},
+                   "why": "--metric" if config.metric else f"{'regression' if spec.is_regression else 'classification'} default"},
         "model": {"kind": kind, "parameters": num_params, "num_labels": num_labels, "max_positions": limit},
         "max_length": length_info,
         "hyperparameters": hparams,
     }
-    config["task"] = spec.name
-    config["resolved"] = resolved
+    config.task = spec.name
+    config.resolved = resolved
     if say is not None:
         from rich.markup import escape
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import copy
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import LunaConvertError
 from ..fileio import atomic_write_json, atomic_write_text
 from ..folder_layout import COMPARE_FILE, PLOT_FILE, RESULTS_FILE, TABLE_FILE
-from .pipeline import CONTROL_METHOD, run_conversion
+from .config import CONTROL_METHOD, RunConfig
+from .pipeline import run_conversion
 from ..linear_methods.registry import get_method
 
 STAGES = ("after_conversion", "after_distillation", "final")
@@ -28,7 +30,7 @@ def run_dir_for(folder: Path, method: str, seed: int) -> Path:
     return folder / f"{method}-seed{seed}"
 
 
-def run_compare(config: dict, methods: list[str], seeds: list[int], folder: Path, control: bool = True,
+def run_compare(config: RunConfig, methods: list[str], seeds: list[int], folder: Path, control: bool = True,
                 console=None) -> dict:
     """Run every method (and the control) for every seed into ``folder``; returns compare.json's content."""
 
@@ -46,16 +48,16 @@ def run_compare(config: dict, methods: list[str], seeds: list[int], folder: Path
                 say(f"{method} seed {seed}: finished earlier, read from {run_dir}")
                 results = json.loads((run_dir / RESULTS_FILE).read_text())
             else:
-                cfg = copy.deepcopy(config)
-                cfg.update(method=method, seed=seed, run_dir=str(run_dir), overwrite=True)
-                if method != config.get("method"):
-                    cfg["method_options"] = {}  # options are per method; --set method_options... is for --methods X
+                # a copy: each run fills in its own settings (the method's recipe, own-data choices)
+                cfg = replace(copy.deepcopy(config), method=method, seed=seed, run_dir=str(run_dir), overwrite=True)
+                if method != config.method:
+                    cfg.method_options = {}  # options are per method; --set method_options... is for --methods X
                 if method == CONTROL_METHOD:
-                    cfg["keep_softmax_layers"] = []  # the control converts nothing
+                    cfg.keep_softmax_layers = []  # the control converts nothing
                 say(f"[bold]{method}[/] seed {seed} -> {run_dir}")
                 results = run_conversion(cfg, console=console)
             runs.setdefault(method, []).append(results)
-    summary = {"case": config.get("name") or config.get("model"), "seeds": seeds, "methods": order,
+    summary = {"case": config.name or config.model, "seeds": seeds, "methods": order,
                "rows": [summarise(method, runs[method]) for method in order],
                "runs": {m: [r["run_dir"] for r in rs] for m, rs in runs.items()}}
     control_final = next((r["final"]["mean"] for r in summary["rows"] if r["method"] == CONTROL_METHOD), None)

@@ -16,6 +16,7 @@ from .autoconfig import task_for
 from ..fileio import atomic_write_text
 from ..linear_methods.registry import methods
 from ..metrics import recovered_pct
+from .config import RunConfig
 from .recipes import available_recipes, load_recipe
 from ..folder_layout import MODEL_CARD_FILE, RESULTS_FILE
 
@@ -32,11 +33,11 @@ def write_model_card(run_dir: str | Path, results: dict | None = None) -> Path:
     if results is None:
         results = json.loads((run_dir / RESULTS_FILE).read_text())
     path = run_dir / MODEL_CARD_FILE
-    atomic_write_text(path, model_card_text(results, results["config"]))
+    atomic_write_text(path, model_card_text(results, RunConfig.from_dict(results["config"])))
     return path
 
 
-def model_card_text(results: dict, config: dict) -> str:
+def model_card_text(results: dict, config: RunConfig) -> str:
     """The card's text (front matter + body) for one finished run."""
     import yaml
 
@@ -44,7 +45,7 @@ def model_card_text(results: dict, config: dict) -> str:
     return f"---\n{front}---\n\n{_body(results, config)}"
 
 
-def card_metadata(results: dict, config: dict) -> dict:
+def card_metadata(results: dict, config: RunConfig) -> dict:
     task = task_for(config)
     pipeline_tag = ("image-classification" if task.kind == "image" else
                     "token-classification" if task.is_token_level else
@@ -91,37 +92,26 @@ def hub_model_id(model: str) -> str | None:
     return model
 
 
-def _dataset(task, config: dict) -> dict:
+def _dataset(task, config: RunConfig) -> dict:
     if task.glue_config:
         return {"name": f"GLUE {task.glue_config.upper()}", "type": "nyu-mll/glue", "config": task.glue_config}
-    data_dir = config.get("data_dir")
+    data_dir = config.data_dir
     name = Path(str(data_dir).rstrip("/")).name if data_dir else task.name
     return {"name": name, "type": name}
 
 
-def reproduce_command(config: dict) -> str:
+def reproduce_command(config: RunConfig) -> str:
     """A ``luna-convert`` command line that rebuilds this config: the recipe, then every setting that
     differs from it (own data: from the defaults, resolved choices included)."""
-    recipe = config.get("name") if config.get("name") in available_recipes() else None
-    base = load_recipe(recipe)
+    recipe = config.name if config.name in available_recipes() else None
+    base = load_recipe(recipe).settings()
     words = ["luna-convert", "run"] + ([recipe] if recipe else [])
-    for key, value in _changed(base, config):
+    for key, value in config.settings().items():
+        if key in _NOT_IN_COMMAND or value == base.get(key):
+            continue
         flag = _FLAGS.get(key)
         words += [flag, str(value)] if flag and isinstance(value, str) else ["--set", f"{key}={_yaml_scalar(value)}"]
     return shlex.join(words)
-
-
-def _changed(base: dict, config: dict, prefix: str = ""):
-    for key, default in base.items():
-        if not prefix and key in _NOT_IN_COMMAND or key not in config:
-            continue
-        value = config[key]
-        if isinstance(default, dict) and key != "method_options":
-            yield from _changed(default, value, f"{prefix}{key}.")
-        elif key == "method_options":
-            yield from ((f"method_options.{k}", v) for k, v in value.items() if default.get(k) != v)
-        elif value != default:
-            yield f"{prefix}{key}", value
 
 
 def _yaml_scalar(value) -> str:
@@ -132,18 +122,18 @@ def _yaml_scalar(value) -> str:
     return text.removesuffix("...").strip()
 
 
-def _options(results: dict, config: dict) -> dict:
+def _options(results: dict, config: RunConfig) -> dict:
     """The options the conversion ran with (the method's defaults filled in), as results.json records them."""
-    return (results.get("conversion") or {}).get("options") or config.get("method_options") or {}
+    return (results.get("conversion") or {}).get("options") or config.method_options
 
 
 def _pct(x) -> str:
     return "-" if x is None else f"{x:.1f}%"
 
 
-def _body(results: dict, config: dict) -> str:
+def _body(results: dict, config: RunConfig) -> str:
     method, headline = results["method"], results["headline_metric"]
-    given = config.get("method_options") or {}
+    given = config.method_options
     options_text = ", ".join(f"`{k}={v}`" + ("" if k in given else " (default)")
                              for k, v in _options(results, config).items()) or "none"
     steps = results["steps"]
@@ -162,7 +152,7 @@ def _body(results: dict, config: dict) -> str:
         f"parameters added: {conversion.get('params_added', 0):,}"
         + (" (the control run: the original softmax model finetuned unconverted)" if not conversion else ""),
         f"- training: {steps['distill']} attention-distillation steps, then {steps['finetune']} finetuning steps "
-        f"(lr {config['train']['lr']}, batch {config['train']['batch_size']}, seed {results['seed']})",
+        f"(lr {config.train.lr}, batch {config.train.batch_size}, seed {results['seed']})",
         "",
         "## Results",
         "",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -19,12 +20,12 @@ from ..folder_layout import (CONFIG_FILE, CONVERSION_FILE, CURVES_FILE, DISTILLE
                              MODEL_DIR, RESULTS_FILE, STAGES_FILE, STATE_FILE, TEACHER_FILE, WEIGHTS_FILE)
 from ..linear_methods.registry import get_method
 from ..metrics import headline_metric, recovered_pct
-from .recipes import with_defaults
+from .config import CONTROL_METHOD, RunConfig
 from .model_card import write_model_card
 from .plots import write_curves
 from ..serialization import library_versions, save
 from ..engine.head_fit import head_fit
-from ..engine.lora import add_lora, check_peft_available, merge_lora
+from ..engine.lora import add_lora, merge_lora
 from ..engine.training import distill_attention, finetune, read_trainer_state
 from ..tasks import get_task
 from .models import check_model_folder, example_inputs, load_model
@@ -32,27 +33,23 @@ from .teachers import ensure_builtin
 from ..engine.scoring import score
 from .task_data import TaskData, steps_for
 
-# The control run of `compare`: the original model finetuned unconverted with the same budget, so that
-# "% recovered" can be read against what the extra training alone does to the teacher.
-CONTROL_METHOD = "softmax"
-
 
 # --------------------------------------------------------------------- set-up
-def make_accelerator(config: dict):
+def make_accelerator(config: RunConfig):
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
 
     return Accelerator(
-        mixed_precision=config["train"]["mixed_precision"],
-        gradient_accumulation_steps=config["train"]["grad_accum"],
+        mixed_precision=config.train.mixed_precision,
+        gradient_accumulation_steps=config.train.grad_accum,
         # A seeded sampler makes the data order a function of (seed, epoch): what resume relies on.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
 
 
-def new_run_dir(config: dict) -> Path:
+def new_run_dir(config: RunConfig) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path(config["output_dir"]) / f"{config['name'] or 'run'}-{config['method']}-{stamp}"
+    base = Path(config.output_dir) / f"{config.name or 'run'}-{config.method}-{stamp}"
     path, n = base, 1
     while path.exists():  # two runs started in the same second never share (or overwrite) a folder
         n += 1
@@ -141,113 +138,30 @@ def _forget_after_checkpoint(run_dir: Path, finetune_step: int, distilled: bool)
                 tmp.unlink(missing_ok=True)
 
 
-def validate(config: dict) -> None:
-    """Fail before any heavy work on settings that cannot work."""
-
-    if not config.get("model"):
-        raise LunaConvertError("no model given: pass --model ID|PATH or a recipe that names one")
-    if not config.get("task") and not config.get("data_dir"):
-        raise LunaConvertError("no task given: pass --task NAME or a recipe that names one (see `luna-convert recipes`), "
-                               "or --data-dir with your own data")
-    if config.get("task"):
-        get_task(config["task"])
-    if config["method"] != CONTROL_METHOD:
-        get_method(config["method"])
-    t = config["train"]
-    for key in ("batch_size", "eval_batch_size", "grad_accum"):
-        if not isinstance(t[key], int) or t[key] < 1:
-            raise LunaConvertError(f"train.{key} must be a positive integer, got {t[key]!r}")
-    if not (t["lr"] > 0):
-        raise LunaConvertError(f"train.lr must be positive, got {t['lr']!r}")
-    kept = config["keep_softmax_layers"]
-    if not isinstance(kept, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in kept):
-        raise LunaConvertError(f"keep_softmax_layers must be a list of layer indices, e.g. [0, 5], got {kept!r}")
-    if kept and config["method"] == CONTROL_METHOD:
-        raise LunaConvertError("keep_softmax_layers needs a linear method; the softmax control converts nothing")
-    if t["mixed_precision"] not in ("no", "bf16", "fp16"):
-        raise LunaConvertError(f"train.mixed_precision must be no, bf16 or fp16, got {t['mixed_precision']!r}")
-    _validate_ranges(config)
-
-
-def _validate_ranges(config: dict) -> None:
-    """The remaining numeric and choice settings, so that a bad --set fails before anything is written."""
-    t, d = config["train"], config["distill"]
-
-    def is_int(x) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool)
-
-    def is_num(x) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-    checks = [
-        ("train.max_steps", t["max_steps"], t["max_steps"] is None or is_int(t["max_steps"]) and t["max_steps"] >= 0,
-         "a positive integer, or 0 or null (then train.epochs counts)"),
-        ("train.epochs", t["epochs"], bool(t["max_steps"]) or is_num(t["epochs"]) and t["epochs"] > 0,
-         "a positive number"),
-        ("train.checkpoint_every", t["checkpoint_every"], is_int(t["checkpoint_every"]) and t["checkpoint_every"] >= 0,
-         "a whole number of steps (0: no intermediate checkpoints)"),
-        ("train.warmup_ratio", t["warmup_ratio"], is_num(t["warmup_ratio"]) and 0 <= t["warmup_ratio"] < 1,
-         "a fraction in [0, 1)"),
-        ("train.added_lr", t["added_lr"], t["added_lr"] is None or is_num(t["added_lr"]) and t["added_lr"] > 0,
-         "positive, or null (train.lr)"),
-        ("train.score_stages", t["score_stages"], isinstance(t["score_stages"], bool), "true or false"),
-        ("train.weight_decay", t["weight_decay"], is_num(t["weight_decay"]) and t["weight_decay"] >= 0, "0 or more"),
-        ("train.max_grad_norm", t["max_grad_norm"], t["max_grad_norm"] is None or is_num(t["max_grad_norm"])
-         and t["max_grad_norm"] >= 0, "0 or more (0 or null: no clipping)"),
-        ("train.max_length", t["max_length"], is_int(t["max_length"]) and t["max_length"] >= 1, "a positive integer"),
-        ("train.image_size", t["image_size"], t["image_size"] is None or is_int(t["image_size"]) and t["image_size"] >= 1,
-         "a positive integer or null (the model's size)"),
-        ("train.schedule", t["schedule"], t["schedule"] in ("linear", "cosine", "constant"), "linear, cosine or constant"),
-        ("distill.steps", d["steps"], d["steps"] is None or is_int(d["steps"]) and d["steps"] >= 0,
-         "0 or more, or null (the method's default)"),
-        ("distill.default_steps", d["default_steps"], is_int(d["default_steps"]) and d["default_steps"] >= 0, "0 or more"),
-        ("distill.lr", d["lr"], is_num(d["lr"]) and d["lr"] > 0, "positive"),
-        ("distill.target", d["target"], d["target"] in ("attention", "output", "logits"),
-         "attention, output or logits"),
-        ("distill.batch_size", d["batch_size"], d["batch_size"] is None or is_int(d["batch_size"]) and d["batch_size"] >= 1,
-         "a positive integer or null (train.batch_size)"),
-    ]
-    lora = config["lora"]
-    checks += [
-        ("lora.rank", lora["rank"], is_int(lora["rank"]) and lora["rank"] >= 0, "0 (off) or a positive integer"),
-        ("lora.alpha", lora["alpha"], lora["alpha"] is None or is_num(lora["alpha"]) and lora["alpha"] > 0,
-         "positive, or null (2 x rank)"),
-        ("lora.dropout", lora["dropout"], is_num(lora["dropout"]) and 0 <= lora["dropout"] < 1, "a fraction in [0, 1)"),
-    ]
-    for key in ("max_train_examples", "max_eval_examples"):
-        checks.append((f"train.{key}", t[key], t[key] is None or is_int(t[key]) and t[key] >= 1,
-                       "a positive integer or null (all)"))
-    for key, value, ok, what in checks:
-        if not ok:
-            raise LunaConvertError(f"{key} must be {what}, got {value!r}; fix it with --set {key}=...")
-    if lora["rank"]:
-        check_peft_available()
-
-
-def apply_method_recipe(config: dict) -> dict:
+def apply_method_recipe(config: RunConfig) -> dict:
     """Fill the run settings the method recommends (``Method.recipe``, e.g. ``train.added_lr``) where the
     config leaves them unset (None); returns what was filled in (recorded in results.json)."""
-    if config["method"] == CONTROL_METHOD:
+    if config.method == CONTROL_METHOD:
         return {}
     applied = {}
-    for key, value in get_method(config["method"]).recipe.items():
-        section, name = key.split(".")
-        if config[section].get(name) is None:
-            config[section][name] = applied[key] = value
+    for key, value in get_method(config.method).recipe.items():
+        if config.setting(key) is None:
+            config.set_setting(key, value)
+            applied[key] = value
     return applied
 
 
-def distill_steps(config: dict) -> int:
-    steps = config["distill"]["steps"]
-    if config["method"] == CONTROL_METHOD:
+def distill_steps(config: RunConfig) -> int:
+    steps = config.distill.steps
+    if config.method == CONTROL_METHOD:
         return 0
     if steps is None:
-        steps = config["distill"]["default_steps"] if get_method(config["method"]).distill else 0
+        steps = config.distill.default_steps if get_method(config.method).distill else 0
     return int(steps)
 
 
 # ------------------------------------------------------------------------ run
-def run_conversion(config: dict, resume: str | Path | None = None, console=None) -> dict:
+def run_conversion(config: RunConfig | None, resume: str | Path | None = None, console=None) -> dict:
     """Convert the configured model and train it back; returns results.json's content."""
     from accelerate.utils import set_seed
 
@@ -261,15 +175,15 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         if (run_dir / RESULTS_FILE).is_file():
             raise LunaConvertError(f"{run_dir} already finished (it has {RESULTS_FILE}); nothing to resume: read its "
                                    f"results, `luna-convert eval {run_dir}`, or start a new run")
-        config = with_defaults(_read_json(run_dir / CONFIG_FILE, "run config"))
-    validate(config)
+        config = RunConfig.from_dict(_read_json(run_dir / CONFIG_FILE, "run config"))
+    config.check_runnable()
     method_recipe = apply_method_recipe(config) if resume is None else {}  # a resumed config has them already
     accelerator = make_accelerator(config)
     own_data = needs_resolution(config)  # no recipe: task, columns, splits, defaults come from model + data
     task = None if own_data else task_for(config)
     reuse = False  # a new run in a non-empty folder (allowed with --overwrite)
     if resume is None:
-        run_dir = Path(config.get("run_dir") or new_run_dir(config))
+        run_dir = Path(config.run_dir or new_run_dir(config))
         if accelerator.num_processes > 1:  # one folder for all ranks (their clocks may read different seconds)
             from accelerate.utils import broadcast_object_list
 
@@ -277,7 +191,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         if run_dir.exists() and not run_dir.is_dir():
             raise LunaConvertError(f"{run_dir} is a file; choose another run folder")
         reuse = run_dir.exists() and any(run_dir.iterdir())
-        if reuse and not config.get("overwrite"):
+        if reuse and not config.overwrite:
             raise LunaConvertError(f"{run_dir} already exists and is not empty; pass --overwrite to replace that run "
                                    "or choose another folder")
         if reuse:
@@ -286,17 +200,17 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     say = (console.print if console is not None and accelerator.is_main_process else (lambda *a, **k: None))
     timings: dict[str, float] = {}
 
-    source = ensure_builtin(config["model"], accelerator, config["output_dir"], console=say, data_dir=config["data_dir"])
-    set_seed(config["seed"])
+    source = ensure_builtin(config.model, accelerator, config.output_dir, console=say, data_dir=config.data_dir)
+    set_seed(config.seed)
     loaded = load_model(source, task.num_labels if task else None, level=task.level if task else "sequence")
     if own_data:
         resolve_own_data(config, loaded, say=say)
         task = task_for(config)
     if is_converted(loaded.model):
-        raise LunaConvertError(f"{config['model']} is already converted to linear attention; start from the original")
-    control = config["method"] == CONTROL_METHOD
+        raise LunaConvertError(f"{config.model} is already converted to linear attention; start from the original")
+    control = config.method == CONTROL_METHOD
     if not control:
-        _check_convertible(loaded.model, config["method"], config["method_options"], config["keep_softmax_layers"])
+        _check_convertible(loaded.model, config.method, config.method_options, config.keep_softmax_layers)
     data = TaskData(config, loaded, task)
     task = data.task  # a token task's tag names come with the model
     eval_loaders = data.eval_loaders()
@@ -306,7 +220,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
             _clear_run_folder(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         if resume is None:
-            atomic_write_json(run_dir / CONFIG_FILE, config)
+            atomic_write_json(run_dir / CONFIG_FILE, config.to_dict())
     accelerator.wait_for_everyone()
     say(f"{'resuming' if resume is not None else 'run folder'} {run_dir}", soft_wrap=True)
     model = loaded.model.to(accelerator.device)
@@ -334,26 +248,25 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     if resume is not None and accelerator.is_main_process:
         _forget_after_checkpoint(run_dir, state["step"] if state and state["stage"] == "finetune" else 0,
                                  distilled is not None)
-    set_seed(config["seed"])
+    set_seed(config.seed)
     if control:
         report = None
         say("control run: the original softmax model is finetuned with the same budget, unconverted")
     else:
-        report = convert(model, config["method"], keep_softmax_layers=config["keep_softmax_layers"],
-                         **config["method_options"])
+        report = convert(model, config.method, keep_softmax_layers=config.keep_softmax_layers, **config.method_options)
         model.to(accelerator.device)
         kept = f"; {len(report.kept_softmax)} kept softmax" if report.kept_softmax else ""
-        say(f"converted {len(report.modules)} attention modules to {config['method']} "
+        say(f"converted {len(report.modules)} attention modules to {config.method} "
             f"(+{report.params_added:,} parameters){kept}")
         if n_distill and not feature_map_parameters(model):
             # Same budget for every method (compare): a map without parameters has nothing to distil.
-            say(f"{config['method']} has no trainable feature map: its {n_distill} distillation steps are skipped")
+            say(f"{config.method} has no trainable feature map: its {n_distill} distillation steps are skipped")
             n_distill = 0
     stage_scores = _read_json(run_dir / STAGES_FILE, "stage scores") if (run_dir / STAGES_FILE).is_file() else {}
 
     def score_stage(name: str) -> None:
         """The headline score of the model as it is now, once per run (kept across resumes)."""
-        if not config["train"]["score_stages"] or name in stage_scores:
+        if not config.train.score_stages or name in stage_scores:
             return
         import torch
 
@@ -375,9 +288,9 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         timings["distill_s"] = distilled["seconds"]
     elif n_distill:
         say(f"distilling attention for {n_distill} steps: each linear attention learns to match its softmax attention")
-        d = config["distill"]
+        d = config.distill
         stage = distill_attention(accelerator, model, accelerator.prepare_data_loader(
-            data.train_loader(d["batch_size"])), steps=n_distill, lr=d["lr"], log=log, target=d["target"],
+            data.train_loader(d.batch_size)), steps=n_distill, lr=d.lr, log=log, target=d.target,
             span_logits=task.is_span_level)
         timings["distill_s"] = stage.seconds
         if accelerator.is_main_process:
@@ -388,20 +301,20 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         score_stage("after_distillation")
 
     # 4. Finetune on the task.
-    t = config["train"]
+    t = config.train
     total = steps_for(config, train_loader, accelerator)
     start = state["step"] if state and state["stage"] == "finetune" else 0
     lora = None
-    if config["lora"]["rank"]:
-        lora = add_lora(model, **config["lora"])
+    if config.lora.rank:
+        lora = add_lora(model, rank=config.lora.rank, alpha=config.lora.alpha, dropout=config.lora.dropout)
         say(f"LoRA rank {lora.rank} on {lora.adapted_layers} linear layers: {lora.trainable_params:,} of "
             f"{lora.total_params:,} parameters train (adapters, the task head, what conversion added)")
     say(f"finetuning on the task for {total} steps" + (f" (from step {start})" if start else ""))
-    set_seed(config["seed"] + 1)
-    model, stage = finetune(accelerator, model, train_loader, steps=total, lr=t["lr"], weight_decay=t["weight_decay"],
-                            schedule=t["schedule"], warmup_ratio=t["warmup_ratio"], max_grad_norm=t["max_grad_norm"],
-                            run_dir=run_dir, checkpoint_every=t["checkpoint_every"], start_step=start, log=log,
-                            added_lr=t["added_lr"])
+    set_seed(config.seed + 1)
+    model, stage = finetune(accelerator, model, train_loader, steps=total, lr=t.lr, weight_decay=t.weight_decay,
+                            schedule=t.schedule, warmup_ratio=t.warmup_ratio, max_grad_norm=t.max_grad_norm,
+                            run_dir=run_dir, checkpoint_every=t.checkpoint_every, start_step=start, log=log,
+                            added_lr=t.added_lr)
     timings["finetune_s"] = stage.seconds
 
     # 5. The converted score, 6. save.
@@ -417,7 +330,7 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
     timings["total_s"] = time.perf_counter() - t_start
     teacher_score, converted_score = teacher["metrics"][headline], metrics[headline]
     results = {
-        "recipe": config["name"], "method": config["method"], "task": task.name, "model": config["model"],
+        "recipe": config.name, "method": config.method, "task": task.name, "model": config.model,
         "headline_metric": headline,
         "teacher_score": teacher_score,
         "converted_score": converted_score,
@@ -428,11 +341,11 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
         "method_recipe": method_recipe,
         "teacher_metrics": teacher["metrics"], "converted_metrics": metrics,
         "eval_examples": counted, "truncated_examples": data.truncated, "truncated_by_split": data.truncated_by_split,
-        "resolved": config.get("resolved"),
+        "resolved": config.resolved,
         "steps": {"distill": n_distill, "finetune": stage.steps},
-        "final_loss": stage.final_loss, "timings": timings, "seed": config["seed"],
+        "final_loss": stage.final_loss, "timings": timings, "seed": config.seed,
         "num_processes": accelerator.num_processes, "device": str(accelerator.device),
-        "conversion": report.to_dict() if report else None, "config": config, "versions": library_versions(),
+        "conversion": report.to_dict() if report else None, "config": config.to_dict(), "versions": library_versions(),
         "run_dir": str(run_dir), "finished_at": datetime.now().astimezone().isoformat(),  # orders runs in `report`
     }
     accelerator.wait_for_everyone()
@@ -450,10 +363,12 @@ def run_conversion(config: dict, resume: str | Path | None = None, console=None)
 
 
 def _check_convertible(model, method: str, options: dict, keep_softmax_layers: list[int] = ()) -> None:
-    """Dry-run the conversion on the model as the run will use it, so that a model without supported
-    attention, attention that cannot be converted faithfully, or bad method options fail before the
-    run folder is written: a copy of the model that shares its weights (only the module structure is
-    copied) gets its first attention module converted and runs one forward pass on a made-up input."""
+    """Dry-run the conversion on the model as the run will use it, so that what only the model can tell
+    fails before the run folder is written: no supported attention, attention that cannot be converted
+    faithfully, keep_softmax_layers out of range, options that do not fit its heads (the options
+    themselves were checked with the config, ``RunConfig.validate``). A copy of the model that shares its
+    weights (only the module structure is copied) gets its first attention module converted and runs one
+    forward pass on a made-up input."""
     import copy
 
     import torch
@@ -502,9 +417,9 @@ def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | No
     from accelerate import Accelerator
 
     path = Path(path)
-    run_config = {}
+    run_config = RunConfig(seed=0)  # a model folder has no run settings: seed 0 picks the --max-examples sample
     if (path / RESULTS_FILE).is_file() or (path / CONFIG_FILE).is_file() and (path / MODEL_DIR).is_dir():
-        run_config = _read_json(path / CONFIG_FILE, "run config")
+        run_config = RunConfig.from_dict(_read_json(path / CONFIG_FILE, "run config"))
         path = path / MODEL_DIR
     source = str(path)
     meta_task = None
@@ -519,17 +434,15 @@ def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | No
     elif source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise LunaConvertError(f"model folder {source} does not exist; pass a run folder under outputs/, a saved "
                                "model folder or a hub id")
-    task_name = task or run_config.get("task") or meta_task
+    task_name = task or run_config.task or meta_task
     if not task_name:
         raise LunaConvertError(f"cannot tell which task {source} was trained for; pass --task")
-    task = task_for(run_config) if run_config.get("resolved") and not task else get_task(task_name)
-    config = {
-        "data_dir": data_dir if data_dir is not None else run_config.get("data_dir"),
-        "eval_split": split, "seed": run_config.get("seed", 0),
-        "train": {**(run_config.get("train") or {}), "eval_batch_size": batch_size, "max_eval_examples": max_examples,
-                  "max_train_examples": None, "batch_size": batch_size, "image_size": (run_config.get("train") or {}).get("image_size")},
-    }
-    config["train"]["max_length"] = max_length or config["train"].get("max_length", 128)
+    task = task_for(run_config) if run_config.resolved and not task else get_task(task_name)
+    # The run's data and preprocessing (max_length, image_size), scored with this command's batches and split.
+    config = replace(run_config, data_dir=data_dir if data_dir is not None else run_config.data_dir, eval_split=split,
+                     train=replace(run_config.train, eval_batch_size=batch_size, max_eval_examples=max_examples,
+                                   max_train_examples=None, batch_size=batch_size,
+                                   max_length=max_length or run_config.train.max_length))
     loaded = load_model(source, task.num_labels, level=task.level)
     if heads and not is_converted(loaded.model):
         raise LunaConvertError(f"{source} is not converted: --heads compares a converted model's linear attention "

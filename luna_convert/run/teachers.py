@@ -15,7 +15,6 @@ as conversions.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from ..tasks import get_task
 from ..model_building import LoadedModel, create_timm_model
 from ..engine.scoring import score
 from .task_data import TaskData, steps_for
-from .recipes import DEFAULTS
+from .config import RunConfig, TrainSettings
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "builtin_teachers"  # package data beside run/
 REBUILD_SCRIPT = "scripts/train_digits_teacher.py"
@@ -152,10 +151,8 @@ def train_builtin(name: str, folder: Path, data_dir: str | Path | None = None) -
     from accelerate.utils import DataLoaderConfiguration, set_seed
 
     spec = BUILTIN[name]
-    config = copy.deepcopy(DEFAULTS)
-    config.update(name=f"teacher-{name}", task=spec["task"], data_dir=None if data_dir is None else str(data_dir),
-                  seed=0)
-    config["train"].update(spec["train"])
+    config = RunConfig(name=f"teacher-{name}", task=spec["task"], data_dir=None if data_dir is None else str(data_dir),
+                       seed=0, train=TrainSettings(**spec["train"]))
     # Its own Accelerator: the teacher's prepared objects must not join the conversion run's checkpoints.
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     set_seed(0)
@@ -165,9 +162,9 @@ def train_builtin(name: str, folder: Path, data_dir: str | Path | None = None) -
     loader = data.train_loader()
 
     steps = steps_for(config, loader, accelerator)
-    t = config["train"]
-    model, _ = finetune(accelerator, loaded.model.to(accelerator.device), loader, steps=steps, lr=t["lr"],
-                        weight_decay=t["weight_decay"], schedule=t["schedule"], warmup_ratio=t["warmup_ratio"],
+    t = config.train
+    model, _ = finetune(accelerator, loaded.model.to(accelerator.device), loader, steps=steps, lr=t.lr,
+                        weight_decay=t.weight_decay, schedule=t.schedule, warmup_ratio=t.warmup_ratio,
                         stage=f"teacher {name}")
     metrics, _ = score(accelerator, model, data.eval_loaders(), task)
     if accelerator.is_main_process:

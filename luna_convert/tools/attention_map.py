@@ -38,6 +38,7 @@ from ..engine.head_fit import captured_inputs
 from ..engine.training import forward_logits
 from ..fileio import atomic_write_bytes
 from ..ops.reference import softmax_attention_weights
+from ..run.config import RunConfig
 from ..run.models import load_model
 from ..run.teachers import builtin_dir
 
@@ -307,14 +308,14 @@ def _render_image(Figure, amap: AttentionMap, soft_label: str, lin_label: str, h
 
 
 # ------------------------------------------------------------------------ the command
-def _resolve(path: Path) -> tuple[Path, dict | None]:
+def _resolve(path: Path) -> tuple[Path, RunConfig | None]:
     """(converted model folder, run config or None) for a run folder or a saved model folder."""
     if not path.exists():
         raise LunaConvertError(f"{path} does not exist; pass a run folder (outputs/<run>) or a converted model folder")
     if (path / MODEL_DIR / CONVERSION_FILE).is_file():
         try:
-            config = json.loads((path / CONFIG_FILE).read_text())
-        except (OSError, ValueError):
+            config = RunConfig.from_dict(json.loads((path / CONFIG_FILE).read_text()))
+        except (OSError, ValueError, LunaConvertError):  # only --original teacher needs it, and says so
             config = None
         return path / MODEL_DIR, config
     if (path / CONVERSION_FILE).is_file():
@@ -326,19 +327,19 @@ def _resolve(path: Path) -> tuple[Path, dict | None]:
                            "pass outputs/<run> or a folder written by luna_convert.save")
 
 
-def _original_model(original: str, run_dir: Path, run_config: dict | None, num_labels: int):
+def _original_model(original: str, run_dir: Path, run_config: RunConfig | None, num_labels: int):
     if original == "converted":
         return None, "converted"
     if original == "teacher":
         if run_config is None:
             raise LunaConvertError("--original teacher needs a run folder (its config names the original model); "
                                    "for a saved model pass --original /path/to/original/model")
-        source = str(run_config["model"])
+        source = str(run_config.model)
         if source.startswith("builtin:"):
             name = source.split(":", 1)[1]
 
             # shipped in the package (checked), or cached beside the run
-            candidates = [builtin_dir(name, run_dir.parent), builtin_dir(name, run_config.get("output_dir", "outputs"))]
+            candidates = [builtin_dir(name, run_dir.parent), builtin_dir(name, run_config.output_dir)]
             found = next((c for c in candidates if (c / CONVERSION_FILE).is_file()), None)
             if found is None:
                 raise LunaConvertError(f"the run's original model {source} is not cached (looked in "
