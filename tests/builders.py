@@ -67,6 +67,13 @@ def write_bert_checkpoint(folder: Path, num_labels: int = 2, arch: str = "bert",
     return folder
 
 
+def saved_tokenizer(model_dir: Path):
+    """The tokenizer a checkpoint writer saved beside the model (offline)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
 def write_image_folder(folder: Path, classes=("cat", "dog", "fox"), per_class: int = 6) -> Path:
     from PIL import Image
 

@@ -18,7 +18,7 @@ from luna_convert.folder_layout import LOG_FILE
 from luna_convert.metrics import compute_metrics, metric_names, normalize_answer
 from luna_convert.run.pipeline import run_conversion
 from luna_convert.tasks import get_task
-from builders import config_for, run_cli, write_bert_checkpoint
+from builders import config_for, run_cli, write_bert_checkpoint, saved_tokenizer
 
 QA = get_task("qa")
 NAMES, CITIES, ORGS = ("john", "mary", "anna"), ("paris", "london", "rome"), ("acme", "globex")
@@ -80,11 +80,6 @@ def qa_setup(tmp_path_factory):
     return model, squad
 
 
-def tokenizer_of(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
 
 # ------------------------------------------------------------------ reading
 
@@ -135,7 +130,7 @@ def test_malformed_questions_fail_with_one_line(tmp_path, qa, message):
 
 def test_answer_tokens_truncation_and_the_cls_label(qa_setup):
     model_dir, _ = qa_setup
-    tokenizer = tokenizer_of(model_dir)
+    tokenizer = saved_tokenizer(model_dir)
     context = "john lives in paris and works at acme ."
     question = "where does john work ?"
     import datasets
@@ -170,7 +165,7 @@ def test_a_question_too_long_for_max_length_is_one_line(qa_setup):
                                      "answer_starts": [[14]], "source": ["dev.json question 'long'"]})
     with pytest.raises(LunaConvertError, match=r"dev.json question 'long': the question alone is 10 tokens, too long "
                                                r"to leave room for the context in train.max_length 8"):
-        data.make_qa_dataloader(ds, tokenizer_of(model_dir), batch_size=1, max_length=8)
+        data.make_qa_dataloader(ds, saved_tokenizer(model_dir), batch_size=1, max_length=8)
 
 
 def test_task_loss_is_the_models_own_span_loss(qa_setup):

@@ -19,7 +19,7 @@ from luna_convert.run.compare import summarise
 from luna_convert.run.pipeline import evaluate_model, run_conversion
 from luna_convert.tasks import IGNORE_INDEX, get_task
 from luna_convert.tools.report import build_report
-from builders import config_for, run_cli, write_bert_checkpoint
+from builders import config_for, run_cli, write_bert_checkpoint, saved_tokenizer
 
 try:
     import seqeval.metrics as seqeval_metrics
@@ -83,11 +83,6 @@ def ner_setup(tmp_path_factory):
     return model, conll
 
 
-def tiny_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
 
 # ------------------------------------------------------------------ reading and aligning
 
@@ -128,7 +123,7 @@ def test_hub_style_int_tags_map_through_the_model_order(tmp_path):
 
 def test_first_sub_token_gets_the_word_label(ner_setup):
     model_dir, _ = ner_setup
-    tokenizer = tiny_tokenizer(model_dir)
+    tokenizer = saved_tokenizer(model_dir)
     words, tags = ["johns", "went", "to", "london"], [1, 0, 0, 3]
     enc = tokenizer([words], is_split_into_words=True)
     assert tokenizer.convert_ids_to_tokens(enc["input_ids"][0]) == ["[CLS]", "john", "##s", "went", "to", "london",
@@ -148,7 +143,7 @@ def test_truncation_is_counted_and_keeps_the_first_words(ner_setup):
     import datasets
 
     ds = datasets.Dataset.from_dict({"tokens": [["johns", "went", "to", "london"], ["mary"]], "label": [[1, 0, 0, 3], [1]]})
-    loader = data.make_text_dataloader(ds, NER, tiny_tokenizer(model_dir), batch_size=2, max_length=5)
+    loader = data.make_text_dataloader(ds, NER, saved_tokenizer(model_dir), batch_size=2, max_length=5)
     assert loader.num_truncated == 1
     assert next(iter(loader))["labels"].tolist()[0] == [-100, 1, -100, 0, -100]  # [CLS] john ##s went [SEP]
 
