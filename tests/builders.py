@@ -67,6 +67,22 @@ def write_bert_checkpoint(folder: Path, num_labels: int = 2, arch: str = "bert",
     return folder
 
 
+def train_tiny_teacher(loaded, loader, model_dir: Path, epochs: int, lr: float = 3e-3) -> None:
+    """A few epochs of AdamW on the task loss over ``loader``, then the model saved back to ``model_dir``:
+    a tiny checkpoint becomes a real (if easy) teacher."""
+    from luna_convert.engine.training import forward_logits, task_loss
+
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=lr)
+    loaded.model.train()
+    for _ in range(epochs):
+        for batch in loader:
+            task_loss(forward_logits(loaded.model, batch), batch["labels"]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    loaded.model.save_pretrained(model_dir)
+
+
 def saved_tokenizer(model_dir: Path):
     """The tokenizer a checkpoint writer saved beside the model (offline)."""
     from transformers import AutoTokenizer

@@ -18,7 +18,7 @@ from luna_convert.folder_layout import LOG_FILE
 from luna_convert.metrics import compute_metrics, metric_names, normalize_answer
 from luna_convert.run.pipeline import run_conversion
 from luna_convert.tasks import get_task
-from builders import config_for, run_cli, write_bert_checkpoint, saved_tokenizer
+from builders import config_for, run_cli, write_bert_checkpoint, saved_tokenizer, train_tiny_teacher
 
 QA = get_task("qa")
 NAMES, CITIES, ORGS = ("john", "mary", "anna"), ("paris", "london", "rome"), ("acme", "globex")
@@ -54,21 +54,12 @@ def write_qa_checkpoint(folder: Path) -> Path:
 def finetune_teacher(model_dir: Path, data_dir: Path, epochs: int = 10) -> None:
     """Train the tiny model on train.json so that it answers with a name, a city or an organisation (F1 1/3
     measured: the loss plateaus near log 3 by then, the question type not yet read)."""
-    from luna_convert.engine.training import forward_logits, task_loss
     from luna_convert.run.models import load_model
 
     loaded = load_model(str(model_dir), level="span")
     loader = data.make_qa_dataloader(data.load_split(QA, "train", data_dir), loaded.tokenizer, batch_size=8,
                                      shuffle=True)
-    torch.manual_seed(0)
-    optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=3e-3)
-    loaded.model.train()
-    for _ in range(epochs):
-        for batch in loader:
-            task_loss(forward_logits(loaded.model, batch), batch["labels"]).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    loaded.model.save_pretrained(model_dir)
+    train_tiny_teacher(loaded, loader, model_dir, epochs)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from luna_convert.run.compare import summarise
 from luna_convert.run.pipeline import evaluate_model, run_conversion
 from luna_convert.tasks import IGNORE_INDEX, get_task
 from luna_convert.tools.report import build_report
-from builders import config_for, run_cli, write_bert_checkpoint, saved_tokenizer
+from builders import config_for, run_cli, write_bert_checkpoint, saved_tokenizer, train_tiny_teacher
 
 try:
     import seqeval.metrics as seqeval_metrics
@@ -57,21 +57,12 @@ def write_conll(folder: Path, n_train: int = 24, n_dev: int = 12) -> Path:
 
 def finetune_teacher(model_dir: Path, data_dir: Path, epochs: int = 20) -> None:
     """Train the tiny model on train.txt so that it is a real (if easy) NER teacher."""
-    from luna_convert.engine.training import forward_logits, task_loss
     from luna_convert.run.models import load_model
 
     loaded = load_model(str(model_dir), level="token")
     ds = data.align_labels(data.load_split(NER, "train", data_dir), NER, loaded.id2label, loaded.num_labels)
     loader = data.make_text_dataloader(ds, NER, loaded.tokenizer, batch_size=8, shuffle=True)
-    torch.manual_seed(0)
-    optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=3e-3)
-    loaded.model.train()
-    for _ in range(epochs):
-        for batch in loader:
-            task_loss(forward_logits(loaded.model, batch), batch["labels"]).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    loaded.model.save_pretrained(model_dir)
+    train_tiny_teacher(loaded, loader, model_dir, epochs)
 
 
 @pytest.fixture(scope="module")
