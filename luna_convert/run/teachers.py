@@ -39,20 +39,20 @@ SHIPPED_SHA256: dict[str, dict[str, str]] = {
 }
 
 
-def _digits_vit():
-    model = create_timm_model("vit_tiny_patch16_224", img_size=32, patch_size=4, embed_dim=64, depth=4,
-                              num_heads=4, mlp_ratio=2.0, num_classes=10)
-    image_config = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "size": 32}
-    return LoadedModel(model, "image", image_config=image_config, source="builtin:digits-vit")
+def _small_vit(name: str, embed_dim: int, depth: int):
+    """A builder of a timm ViT for 32-pixel, 10-class images, 4-pixel patches (65 tokens), 4 heads."""
+    def build():
+        model = create_timm_model("vit_tiny_patch16_224", img_size=32, patch_size=4, embed_dim=embed_dim,
+                                  depth=depth, num_heads=4, mlp_ratio=2.0, num_classes=10)
+        image_config = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "size": 32}
+        return LoadedModel(model, "image", image_config=image_config, source=f"builtin:{name}")
+
+    return build
 
 
-def _cifar_vit():
-    # Twice the digits ViT's width and depth 6: CIFAR-10 needs more than digits, and on 32 px with
-    # 4 px patches a layer still attends over 65 tokens.
-    model = create_timm_model("vit_tiny_patch16_224", img_size=32, patch_size=4, embed_dim=128, depth=6,
-                              num_heads=4, mlp_ratio=2.0, num_classes=10)
-    image_config = {"mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "size": 32}
-    return LoadedModel(model, "image", image_config=image_config, source="builtin:cifar-vit")
+_digits_vit = _small_vit("digits-vit", embed_dim=64, depth=4)
+# Twice the digits ViT's width and depth 6: CIFAR-10 needs more than digits.
+_cifar_vit = _small_vit("cifar-vit", embed_dim=128, depth=6)
 
 
 def _minilm(num_labels: int, name: str):

@@ -364,6 +364,31 @@ def _compare(original: Callable[[], object], converted: Callable[[], object], cl
     return row
 
 
+def _inference(model, inputs: dict) -> Callable[[], None]:
+    """One forward of ``model(**inputs)`` in eval mode, without autograd."""
+    import torch
+
+    def run():
+        model.eval()
+        with torch.inference_mode():
+            model(**inputs)
+    return run
+
+
+def _train_step(model, batch: dict) -> Callable[[], None]:
+    """One training step: forward, ``.loss``, backward, AdamW step (dropout on, as in finetuning)."""
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def run():
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        optimizer.step()
+    return run
+
+
 def bench_models(device, repeats: int, warmup: int, quick: bool = False, method: str = "luna",
                  vit_sizes: Sequence[int] | None = None, bert_lengths: Sequence[int] | None = None,
                  cpu_time: bool = False, log: Callable[[str], None] = print) -> dict:
@@ -378,12 +403,6 @@ def bench_models(device, repeats: int, warmup: int, quick: bool = False, method:
     out: dict = {"method": method, "vit": [], "bert": [], "bert_train": None}
     torch.manual_seed(0)
 
-    def infer(model, inputs):
-        def run():
-            with torch.inference_mode():
-                model(**inputs)
-        return run
-
     def report(label: str, row: dict, t0: float) -> None:
         log(f"{label}: original {row['original_ms']:.0f} ms, converted {row['converted_ms']:.0f} ms"
             f" (x{row['ratio']:.2f})  ({time.perf_counter() - t0:.0f} s)")
@@ -394,7 +413,7 @@ def bench_models(device, repeats: int, warmup: int, quick: bool = False, method:
         original, converted = _pair(lambda: ViTModel(config, add_pooling_layer=False).eval(), method, device)
         inputs = {"pixel_values": torch.randn(1, 3, size, size, device=device)}
         tokens = (size // config.patch_size) ** 2 + 1
-        row = _compare(infer(original, inputs), infer(converted, inputs), clock, repeats, warmup,
+        row = _compare(_inference(original, inputs), _inference(converted, inputs), clock, repeats, warmup,
                        image_size=size, tokens=tokens, batch=1)
         out["vit"].append(row)
         report(f"ViT {size}px ({tokens} tokens)", row, t0)
@@ -406,7 +425,7 @@ def bench_models(device, repeats: int, warmup: int, quick: bool = False, method:
         config = BertConfig(max_position_embeddings=max_pos, **bert_kw)
         original, converted = _pair(lambda: BertModel(config, add_pooling_layer=False).eval(), method, device)
         inputs = {"input_ids": torch.randint(0, config.vocab_size, (1, n), device=device)}
-        row = _compare(infer(original, inputs), infer(converted, inputs), clock, repeats, warmup, tokens=n, batch=1)
+        row = _compare(_inference(original, inputs), _inference(converted, inputs), clock, repeats, warmup, tokens=n, batch=1)
         out["bert"].append(row)
         report(f"BERT {n} tokens", row, t0)
         del original, converted
@@ -419,16 +438,7 @@ def bench_models(device, repeats: int, warmup: int, quick: bool = False, method:
              "attention_mask": torch.ones(train_batch, train_tokens, dtype=torch.long, device=device),
              "labels": torch.randint(0, 2, (train_batch,), device=device)}
 
-    def step(model):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-        def run():
-            optimizer.zero_grad(set_to_none=True)
-            model(**batch).loss.backward()
-            optimizer.step()
-        return run
-
-    row = _compare(step(original), step(converted), clock, repeats, warmup, batch=train_batch, tokens=train_tokens)
+    row = _compare(_train_step(original, batch), _train_step(converted, batch), clock, repeats, warmup, batch=train_batch, tokens=train_tokens)
     out["bert_train"] = row
     report(f"BERT train step {train_batch}x{train_tokens}", row, t0)
     return out
@@ -477,26 +487,10 @@ def bench_long_models(device, repeats: int, warmup: int, quick: bool = False, me
         ids = torch.randint(3, config.vocab_size, (1, n), device=device)
         labels = torch.randint(3, config.vocab_size, (1, n), device=device)
 
-        def infer(model):
-            def run():
-                model.eval()
-                with torch.inference_mode():
-                    model(input_ids=ids)
-            return run
-
-        def step(model):
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-            def run():
-                model.train()
-                optimizer.zero_grad(set_to_none=True)
-                model(input_ids=ids, labels=labels).loss.backward()
-                optimizer.step()
-            return run
-
-        fwd = _round_robin({k: infer(m) for k, m in models.items()}, clock, repeats, warmup)
-        train = _round_robin({k: step(m) for k, m in models.items()}, clock, repeats, warmup)
-        peaks = peak_memory({k: step(m) for k, m in models.items()}, device) if memory else {}
+        batch = {"input_ids": ids, "labels": labels}
+        fwd = _round_robin({k: _inference(m, {"input_ids": ids}) for k, m in models.items()}, clock, repeats, warmup)
+        train = _round_robin({k: _train_step(m, batch) for k, m in models.items()}, clock, repeats, warmup)
+        peaks = peak_memory({k: _train_step(m, batch) for k, m in models.items()}, device) if memory else {}
         row: dict = {"tokens": n, "batch": 1}
         for k in models:
             row[k] = {"fwd_ms": _median_ms(fwd[k]), "train_ms": _median_ms(train[k])}
@@ -523,15 +517,8 @@ def bench_long_models(device, repeats: int, warmup: int, quick: bool = False, me
     vit_rows = []
     for size in sizes:
         t0 = time.perf_counter()
-        pixels = torch.randn(1, 3, size, size, device=device)
-
-        def infer_image(model):
-            def run():
-                with torch.inference_mode():
-                    model(pixel_values=pixels)
-            return run
-
-        row = _compare(infer_image(original), infer_image(converted), clock, repeats, warmup, image_size=size,
+        inputs = {"pixel_values": torch.randn(1, 3, size, size, device=device)}
+        row = _compare(_inference(original, inputs), _inference(converted, inputs), clock, repeats, warmup, image_size=size,
                        tokens=(size // dino.patch_size) ** 2 + 1, batch=1)
         vit_rows.append(row)
         log(f"DINOv2 {size}px ({row['tokens']} tokens): original {row['original_ms']:.0f} ms, converted "
