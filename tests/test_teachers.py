@@ -49,3 +49,35 @@ def test_minilm_teacher_trains_on_the_given_data_dir(tmp_path, monkeypatch):
     assert source == str(tmp_path / "teachers" / "minilm-sst2")
     assert meta["task"] == "sst2" and meta["teacher_steps"] == 1
     assert 0.0 <= meta["teacher_metrics"]["accuracy"] <= 1.0
+    assert meta["teacher_data_dir"] == str(Path(sst2).resolve())
+
+    # Cached: the same data source reuses it; another is refused rather than scored against this teacher.
+    def no_training(*args):
+        raise AssertionError("the cached teacher was trained again")
+
+    monkeypatch.setattr(teachers, "train_builtin", no_training)
+    messages = []
+    assert teachers.ensure_builtin("builtin:minilm-sst2", accelerator, tmp_path, console=messages.append,
+                                   data_dir=sst2) == source
+    assert messages == [f"using the cached teacher minilm-sst2 in {source}"]
+    other = tmp_path / "other-sst2"
+    other.mkdir()
+    from luna_convert.errors import LunaConvertError
+    with pytest.raises(LunaConvertError, match=r"was trained on .*SST-2, not on .*other-sst2; pass another "
+                                               r"--output-dir, or delete"):
+        teachers.ensure_builtin("builtin:minilm-sst2", accelerator, tmp_path, console=messages.append, data_dir=other)
+    with pytest.raises(LunaConvertError, match="not on the hub dataset"):
+        teachers.ensure_builtin("builtin:minilm-sst2", accelerator, tmp_path, console=messages.append)
+
+
+def test_a_cache_from_before_the_data_source_was_recorded_is_used_with_a_note(tmp_path):
+    from luna_convert.run import teachers
+
+    folder = tmp_path / "teachers" / "cifar-vit"
+    folder.mkdir(parents=True)
+    (folder / "linear_attention.json").write_text(json.dumps({"task": "cifar10"}))
+    messages = []
+    accelerator = SimpleNamespace(wait_for_everyone=lambda: None)
+    assert teachers.ensure_builtin("builtin:cifar-vit", accelerator, tmp_path, console=messages.append,
+                                   data_dir=tmp_path) == str(folder)
+    assert messages == [f"using the cached teacher cifar-vit in {folder} (its training data was not recorded)"]

@@ -16,6 +16,7 @@ as conversions.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from ..errors import LunaConvertError, unknown_name
@@ -37,6 +38,10 @@ SHIPPED_SHA256: dict[str, dict[str, str]] = {
         CONVERSION_FILE: "12c922be1585828c0108cac0694a3ebfca10698516238acc03bc1b4f29c2d699",
     },
 }
+
+
+# The conversion-file key recording what a cached teacher trained on (see _check_cached_data).
+TEACHER_DATA_KEY = "teacher_data_dir"
 
 
 def _small_vit(name: str, embed_dim: int, depth: int):
@@ -140,8 +145,31 @@ def ensure_builtin(model: str, accelerator, output_dir: str | Path, console=prin
     elif not (folder / CONVERSION_FILE).is_file():
         console(f"training the built-in teacher {name} once (cached in {folder})")
         train_builtin(name, folder, data_dir)
+    else:
+        _check_cached_data(name, folder, data_dir, console)
     accelerator.wait_for_everyone()
     return str(folder)
+
+
+def _data_source(data_dir: str | Path | None) -> str | None:
+    """How a teacher's training data is recorded: the resolved --data-dir, or None for the hub dataset."""
+    return None if data_dir is None else str(Path(data_dir).resolve())
+
+
+def _check_cached_data(name: str, folder: Path, data_dir: str | Path | None, console) -> None:
+    """Refuse a cached teacher trained on other data than this run's: its scores would be read against
+    a teacher that never saw (or already saw) these examples."""
+    recorded = json.loads((folder / CONVERSION_FILE).read_text()).get(TEACHER_DATA_KEY, "unrecorded")
+    wanted = _data_source(data_dir)
+    if recorded == "unrecorded":
+        # Caches written before the data source was recorded: used as before, with a note.
+        console(f"using the cached teacher {name} in {folder} (its training data was not recorded)")
+    elif recorded != wanted:
+        raise LunaConvertError(
+            f"the cached teacher {name} in {folder} was trained on {recorded or 'the hub dataset'}, not on "
+            f"{wanted or 'the hub dataset'}; pass another --output-dir, or delete {folder} to retrain it")
+    else:
+        console(f"using the cached teacher {name} in {folder}")
 
 
 def train_builtin(name: str, folder: Path, data_dir: str | Path | None = None) -> dict:
@@ -170,6 +198,6 @@ def train_builtin(name: str, folder: Path, data_dir: str | Path | None = None) -
     if accelerator.is_main_process:
         save(accelerator.unwrap_model(model), folder, tokenizer=loaded.tokenizer, overwrite=True,
              extra={"image_config": loaded.image_config or None, "task": task.name, "teacher_metrics": metrics,
-                    "teacher_steps": steps})
+                    "teacher_steps": steps, TEACHER_DATA_KEY: _data_source(data_dir)})
     accelerator.wait_for_everyone()
     return metrics
