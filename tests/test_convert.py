@@ -364,6 +364,27 @@ def test_key_padding_mask_formats():
     assert torch.equal(key_padding_mask(rows[:, None]), keep)
 
 
+def test_key_padding_mask_read_once_is_never_stale():
+    """Layers share the read mask while the tensor is unchanged: an in-place edit (also of an inference
+    tensor, which has no version counter) or another tensor with the same values is read afresh."""
+    keep = _expected([5, 3], 5)
+    mask = keep.long()
+    assert torch.equal(key_padding_mask(mask), keep)
+    assert key_padding_mask(mask) is key_padding_mask(mask)  # the next layers' reading
+    mask[1] = 1
+    assert key_padding_mask(mask) is None
+    assert torch.equal(key_padding_mask(keep.long()), keep)
+    with torch.inference_mode():
+        frozen = keep.long()
+        assert torch.equal(key_padding_mask(frozen), keep)
+        frozen[1] = 1
+        assert key_padding_mask(frozen) is None
+    # An example that is all padding (every query row keeps nothing) keeps no key, as before.
+    empty = keep[:, None, :].expand(2, 5, 5).clone()
+    empty[1] = False
+    assert key_padding_mask(empty[:, None]).tolist() == [[True] * 5, [False] * 5]
+
+
 def test_key_padding_mask_all_real_is_none():
     assert key_padding_mask(None) is None
     assert key_padding_mask(torch.ones(2, 4, dtype=torch.long)) is None

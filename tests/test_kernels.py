@@ -222,6 +222,18 @@ def test_linear_attention_core_gradcheck_and_partial_grads():
     (gv,) = torch.autograd.grad(linear_attention_core(fq, fk, v, 1e-6).sum(), [v])
     (ref,) = torch.autograd.grad((linear_attention_weights(fq, fk).double() @ v).sum(), [v])
     torch.testing.assert_close(gv, ref, rtol=0, atol=2e-15)  # measured 2.2e-16
+    # The key mask folded into the products (pads leave the sums; phi_k and v get no gradient there),
+    # also with signed features (the clamped denominator).
+    keep = torch.tensor([[True, True, False, True, False, True]])[:, None, :, None]
+    signed_q = (phi_q - 0.3).detach().requires_grad_()
+    for fq, clamp in ((phi_q, False), (signed_q, True)):
+        assert torch.autograd.gradcheck(lambda a, b, c: linear_attention_core(a, b, c, 1e-6, clamp, keep),
+                                        (fq, phi_k, v))
+    out = linear_attention_core(phi_q, phi_k, v, 1e-6, keep=keep)
+    ref = linear_attention_core(phi_q, phi_k * keep, v, 1e-6)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-15)  # measured 0
+    gk, gv = torch.autograd.grad(out.square().sum(), [phi_k, v])
+    assert not gk[..., ~keep[0, 0, :, 0], :].any() and not gv[..., ~keep[0, 0, :, 0], :].any()
 
 
 @pytest.mark.parametrize("grid,kernel", [((37,), (3,)), ((5,), (7,)), ((6, 7), (3, 3)), ((2, 9), (5, 3))])

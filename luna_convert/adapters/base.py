@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import threading
+import weakref
 
 import torch
 from torch import nn
@@ -56,26 +58,36 @@ def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     refused instead of being silently approximated (ValueError; in compiled
     code a RuntimeError with the same message, see ``_require``). Query rows that keep
     nothing or everything (how some libraries treat pad queries) are allowed.
+
+    A model hands every layer the same mask tensor: eager code reads it once and keeps the result
+    for the next layers while the tensor is unchanged (``_MaskCache``).
     """
     if mask is None:
         return None
+    if torch.compiler.is_compiling():
+        return _read_key_padding_mask(mask)
+    cached = _MASK_CACHE.get(mask)
+    if cached is _MaskCache.MISS:
+        cached = _MASK_CACHE.put(mask, _read_key_padding_mask(mask))
+    return cached
+
+
+def _read_key_padding_mask(mask: torch.Tensor) -> torch.Tensor | None:
     keep = _kept(mask)
     if keep.dim() == 4:
         keep = keep[:, 0]  # the head axis is 1 (or repeats the same pattern)
-    if keep.dim() == 3:
-        # Bidirectional padding masks repeat the key pattern on every query row;
-        # pick the row that keeps the fewest (but some) keys as the pattern.
-        n = keep.shape[-1]
-        counts = keep.sum(-1)
-        counts = counts.masked_fill(counts == 0, n + 1)
-        row = counts.argmin(-1)
-        pattern = keep[torch.arange(keep.shape[0], device=keep.device), row]  # [B, N]
-        if keep.shape[1] > 1:
-            full_or_empty = keep.all(-1) | ~keep.any(-1)
-            same = (keep == pattern[:, None, :]).all(-1)
-            _require((same | full_or_empty).all(),
-                     "linear attention supports key-padding masks only; this attention mask varies across query "
-                     "rows (causal or structured masks cannot be linearised)")
+    if keep.dim() == 3 and keep.shape[1] == 1:
+        keep = keep[:, 0]  # one row for every query: the pattern itself
+    elif keep.dim() == 3:
+        # Bidirectional padding masks repeat the key pattern on every query row; rows that keep
+        # nothing count as keeping everything, and the pattern is what every row keeps (their AND;
+        # nothing where no row keeps anything). Every row then holds the pattern, so a valid mask is
+        # one whose rows are it or keep every key.
+        filled = keep | ~keep.any(-1, keepdim=True)
+        pattern = filled.all(-2) & keep.any(-2)  # [B, N]
+        _require(((filled == pattern[:, None]) | filled.all(-1, keepdim=True)).all(),
+                 "linear attention supports key-padding masks only; this attention mask varies across query "
+                 "rows (causal or structured masks cannot be linearised)")
         keep = pattern
     elif keep.dim() != 2:
         raise ValueError(f"unsupported attention mask shape {tuple(mask.shape)}")
@@ -84,6 +96,39 @@ def key_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
         # result as None (every use multiplies by it or masks with it), only a few ops more.
         return keep
     return None if bool(keep.all()) else keep
+
+
+class _MaskCache:
+    """The key-padding mask read from the last attention mask seen (one entry, per thread).
+
+    An entry is used only for the very same tensor (a weak reference: no id reuse) at the same
+    version (no in-place edit since). Inference tensors carry no version counter and are read
+    every time, as are masks under torch.compile (whose graph is traced once anyway).
+    """
+
+    MISS = object()
+
+    def __init__(self):
+        self._local = threading.local()
+
+    @staticmethod
+    def _version(mask: torch.Tensor) -> int | None:
+        return None if mask.is_inference() else mask._version
+
+    def get(self, mask: torch.Tensor):
+        entry = getattr(self._local, "entry", None)
+        if entry is None or entry[0]() is not mask or self._version(mask) is None \
+                or entry[1] != self._version(mask):
+            return self.MISS
+        return entry[2]
+
+    def put(self, mask: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor | None:
+        version = self._version(mask)
+        self._local.entry = None if version is None else (weakref.ref(mask), version, key_mask)
+        return key_mask
+
+
+_MASK_CACHE = _MaskCache()
 
 
 def sliding_window_key_padding_mask(mask: torch.Tensor | None, half_window: int) -> torch.Tensor | None:

@@ -47,8 +47,8 @@ class DepthwiseConvBranch(nn.Module):
         if not self.spatial:
             if key_mask is None:
                 return depthwise_conv_tokens(v, weight, bias)
-            keep = key_mask[:, None, :, None].to(v.dtype)
-            return depthwise_conv_tokens(v * keep, weight, bias) * keep
+            keep = key_mask.view(b, 1, n, 1)  # bool: the products promote it, no float copy
+            return depthwise_conv_tokens(v * keep, weight, bias).mul_(keep)
         gh, gw = grid
         patches = v[:, :, num_prefix:]
         if patches.shape[2] != gh * gw:
