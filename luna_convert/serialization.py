@@ -25,7 +25,7 @@ from .fileio import atomic_directory, atomic_write_json
 from .folder_layout import CONVERSION_FILE, HF_CONFIG_FILE, MODEL_DIR, WEIGHTS_FILE
 from .linear_methods.registry import get_method
 from .model_building import TIMM_ARGS_ATTR, create_timm_model, timm_create_args
-from .sentence_embedding import SentenceEmbedder
+from .sentence_embedding import SentenceEmbedder, write_layout
 
 FORMAT_VERSION = 1
 
@@ -86,8 +86,6 @@ def save(model: nn.Module, directory: str | Path, tokenizer=None, processor=None
             if files is not None:
                 files.save_pretrained(tmp)
         if isinstance(model, SentenceEmbedder):  # SentenceTransformer(folder) loads it too
-            from .integrations.sentence_transformers import write_layout
-
             write_layout(model, tmp)
         atomic_write_json(tmp / CONVERSION_FILE, meta)
     return directory

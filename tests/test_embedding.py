@@ -268,7 +268,7 @@ def test_a_cli_run_writes_the_headline_and_eval_reproduces_it(sentence_model, tm
     proc = run_cli("run", "--model", sentence_model, "--data-dir", data_dir, "--task", "sentence-embedding",
                    "--method", "luna", "--output-dir", tmp_path / "out", "--set", "train.max_steps=3",
                    "--set", "train.batch_size=8", "--set", "distill.default_steps=2", "--set",
-                   "train.embedding_loss=mse", "--lr", "0.001", "--seed", "0")
+                   "train.embedding_loss=mse", "--lr", "0.001", "--seed", "0", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (results_file,) = (tmp_path / "out").glob("*/results.json")
     results = json.loads(results_file.read_text())
@@ -281,7 +281,7 @@ def test_a_cli_run_writes_the_headline_and_eval_reproduces_it(sentence_model, tm
     else:  # the teacher's own Spearman (0.75 measured): its similarities follow the shared words
         assert results["teacher_score"] > 0.3
     assert results["config"]["train"]["embedding_loss"] == "mse"
-    proc = run_cli("eval", results_file.parent, "--json")
+    proc = run_cli("eval", results_file.parent, "--json", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = proc.stdout[proc.stdout.rindex("\n{\n") + 1:]  # after the progress lines (stdout is no terminal)
     assert json.loads(printed)["metrics"] == results["converted_metrics"]

@@ -16,7 +16,7 @@ from torch import nn
 from ..errors import LunaConvertError
 from ..folder_layout import CONVERSION_FILE, HF_CONFIG_FILE, MODEL_DIR
 from ..model_building import LoadedModel, create_timm_model
-from ..sentence_embedding import SentenceEmbedder
+from ..sentence_embedding import SentenceEmbedder, is_sentence_transformers_folder, read_layout
 from ..serialization import load, read_metadata
 from .teachers import builtin_dir, is_packaged
 
@@ -192,11 +192,9 @@ def _check_embedding(is_embedder: bool, source: str, level: str) -> None:
 
 def load_sentence_embedder(source: str) -> LoadedModel:
     """A sentence encoder: a sentence-transformers folder (its Transformer, Pooling and Normalize modules,
-    see :mod:`luna_convert.integrations.sentence_transformers`) or a transformers encoder (folder or hub id)
+    see :func:`luna_convert.sentence_embedding.read_layout`) or a transformers encoder (folder or hub id)
     with mean pooling; ``LoadedModel.note`` says which pooling was chosen and why."""
     import transformers
-
-    from ..integrations.sentence_transformers import is_sentence_transformers_folder, read_layout
 
     path = Path(source)
     if path.is_dir() and is_sentence_transformers_folder(path):
