@@ -1,6 +1,7 @@
 """Task metrics computed with scikit-learn / scipy, keyed like the `evaluate` GLUE metric; entity-level
 F1 for token tasks (NER) computed here as conlleval / seqeval's default mode does; exact match and F1 of
-extractive QA answers as the official SQuAD v1.1 evaluation script computes them.
+extractive QA answers as the official SQuAD v1.1 evaluation script computes them; for sentence embeddings,
+the Spearman correlation of pair similarities with scores, or the agreement with the teacher's embeddings.
 
 All values are floats on a 0..1 scale (correlations in -1..1), never percent. Degenerate
 inputs (constant predictions, fewer than two examples) give 0.0 for correlations, not NaN.
@@ -19,7 +20,8 @@ from .errors import LunaConvertError
 from .tasks import IGNORE_INDEX, TaskSpec, get_task
 
 __all__ = ["compute_metrics", "headline_metric", "metric_names", "recovered_pct", "LOWER_IS_BETTER",
-           "entity_spans", "split_tag", "TOKEN_METRICS", "SPAN_METRICS", "normalize_answer", "answer_f1"]
+           "entity_spans", "split_tag", "TOKEN_METRICS", "SPAN_METRICS", "normalize_answer", "answer_f1",
+           "SIMILARITY_METRICS", "AGREEMENT_METRICS", "cosine_rows", "topk_agreement"]
 
 # Error metrics: a smaller value is a better model.
 LOWER_IS_BETTER = frozenset({"mse"})
@@ -37,6 +39,10 @@ _GLUE_KEYS: dict[str, tuple[str, ...]] = {
 }
 TOKEN_METRICS = ("entity_f1", "entity_precision", "entity_recall", "token_accuracy")
 SPAN_METRICS = ("f1", "exact_match")
+# sentence embeddings: scored sentence pairs (STS-B) / any texts, against the teacher's embeddings
+SIMILARITY_METRICS = ("spearmanr", "pearson")
+AGREEMENT_METRICS = ("teacher_cosine", "topk_agreement")
+TOP_K = 10  # neighbours compared by topk_agreement (at most n - 1)
 ENTITY_PREFIXES = ("B", "I", "E", "S")  # IOB1 / IOB2 (BIO) / IOBES chunk tags, as conlleval reads them
 
 
@@ -60,6 +66,8 @@ def metric_names(task: TaskSpec | str, num_classes: int | None = None) -> tuple[
         return TOKEN_METRICS
     if task.is_span_level:
         return SPAN_METRICS
+    if task.is_embedding_level:  # which set the data allows: run.task_data sets the headline from it
+        return SIMILARITY_METRICS if task.headline in SIMILARITY_METRICS else AGREEMENT_METRICS
     if task.name in _GLUE_KEYS:
         return _GLUE_KEYS[task.name]
     if task.kind == "image":
@@ -201,6 +209,57 @@ def _span_metrics(task: TaskSpec, predictions, labels) -> dict[str, float]:
     return {"f1": f1 / len(labels), "exact_match": exact / len(labels)}
 
 
+def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The cosine similarity of each row of ``a`` with the same row of ``b`` ([N, D] each -> [N])."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    norms = np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1), 1e-12)
+    return (a * b).sum(-1) / norms
+
+
+def _nearest(embeddings: np.ndarray, k: int, block: int = 1024) -> np.ndarray:
+    """Each row's ``k`` nearest other rows by cosine similarity [N, k] (ties: the lower index first)."""
+    unit = embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
+    out = np.empty((len(unit), k), dtype=np.int64)
+    for start in range(0, len(unit), block):  # N x N similarities a block of rows at a time
+        sims = unit[start:start + block] @ unit.T
+        rows = np.arange(sims.shape[0])
+        sims[rows, start + rows] = -np.inf  # not its own neighbour
+        out[start:start + block] = np.argsort(-sims, axis=1, kind="stable")[:, :k]
+    return out
+
+
+def topk_agreement(teacher: np.ndarray, student: np.ndarray, k: int = TOP_K) -> float:
+    """For each text, the fraction of the teacher's ``k`` nearest texts (cosine, among the others; ``k`` at most
+    n - 1) that are also among the student's ``k`` nearest, averaged over the texts."""
+    teacher, student = np.asarray(teacher, dtype=np.float64), np.asarray(student, dtype=np.float64)
+    k = min(k, len(teacher) - 1)
+    if k < 1:
+        raise LunaConvertError(f"top-k agreement needs at least 2 texts, got {len(teacher)}; evaluate on more texts")
+    ours, theirs = _nearest(student, k), _nearest(teacher, k)
+    return float(np.mean([len(set(a) & set(b)) / k for a, b in zip(ours, theirs)]))
+
+
+def _embedding_metrics(task: TaskSpec, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """Pair embeddings [M, 2, D] with similarity scores [M]: the Spearman and Pearson correlation of the pairs'
+    cosine similarity with the scores. Embeddings [N, D] with the teacher's [N, D]: the mean cosine between
+    the two (``teacher_cosine``) and :func:`topk_agreement`."""
+    predictions, labels = predictions.astype(np.float64), labels.astype(np.float64)
+    if predictions.ndim == 3 and predictions.shape[1] == 2 and labels.shape == predictions.shape[:1]:
+        if len(labels) == 0:
+            raise LunaConvertError(f"no sentence pairs to score for task {task.name!r}; check the evaluation split")
+        similarity = cosine_rows(predictions[:, 0], predictions[:, 1])
+        return {"spearmanr": _correlation("spearman", similarity, labels),
+                "pearson": _correlation("pearson", similarity, labels)}
+    if predictions.ndim == 2 and labels.shape == predictions.shape:
+        if len(labels) == 0:
+            raise LunaConvertError(f"no texts to score for task {task.name!r}; check the evaluation split")
+        return {"teacher_cosine": float(np.mean(cosine_rows(predictions, labels))),
+                "topk_agreement": topk_agreement(labels, predictions)}
+    raise LunaConvertError(f"embeddings of shape {tuple(predictions.shape)} and labels of shape {tuple(labels.shape)} "
+                           f"for task {task.name!r}; expected pairs [M, 2, D] with scores [M], or [N, D] with the "
+                           "teacher's [N, D]")
+
+
 def compute_metrics(task: TaskSpec | str, predictions, labels) -> dict[str, float]:
     """Scores of ``predictions`` against ``labels`` for ``task``.
 
@@ -208,13 +267,16 @@ def compute_metrics(task: TaskSpec | str, predictions, labels) -> dict[str, floa
     scores ``[N]`` or ``[N, 1]`` for regression; logits ``[N, S, C]`` or tag ids ``[N, S]`` for token
     tasks (labels ``[N, S]``, ``IGNORE_INDEX`` where nothing is scored; tag names from
     ``task.label_names``); for span (QA) tasks, the predicted answer texts and each question's gold answer
-    texts. Classification labels below 0 (GLUE test splits use -1, PyTorch ignores -100) are left out.
+    texts; for embedding tasks, see :func:`_embedding_metrics`. Classification labels below 0 (GLUE test
+    splits use -1, PyTorch ignores -100) are left out.
     """
     task = get_task(task)
     if task.is_span_level:
         return _span_metrics(task, predictions, labels)
     predictions = np.asarray(predictions)
     labels = np.asarray(labels)
+    if task.is_embedding_level:
+        return _embedding_metrics(task, predictions, labels)
     if task.is_token_level:
         return _token_metrics(task, predictions, labels)
     n = predictions.shape[0] if predictions.ndim else 0

@@ -23,6 +23,7 @@ class LoadedModel:
     image_processor: object | None = None  # saved beside the model, transformers only
     image_config: dict = field(default_factory=dict)  # mean, std, size for image models
     source: str = ""
+    note: str = ""  # what loading chose that the run should say (e.g. an embedding model's pooling)
 
     @property
     def num_labels(self) -> int:

@@ -6,6 +6,7 @@ Folder layout::
     config.json             transformers model config (transformers models only)
     model.safetensors       every weight, original and added
     tokenizer / image-processor files, when given
+    modules.json, 1_Pooling/, ...   a sentence embedding model's sentence-transformers layout
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .fileio import atomic_directory, atomic_write_json
 from .folder_layout import CONVERSION_FILE, HF_CONFIG_FILE, MODEL_DIR, WEIGHTS_FILE
 from .linear_methods.registry import get_method
 from .model_building import TIMM_ARGS_ATTR, create_timm_model, timm_create_args
+from .sentence_embedding import SentenceEmbedder, write_layout
 
 FORMAT_VERSION = 1
 
@@ -41,6 +43,9 @@ def library_versions() -> dict[str, str]:
 
 
 def _model_spec(model: nn.Module) -> dict:
+    if isinstance(model, SentenceEmbedder):  # the encoder's class, and the pooling around it
+        return {"library": "transformers", "class": type(model.encoder).__name__,
+                "sentence_embedding": model.spec()}
     if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
         return {"library": "transformers", "class": type(model).__name__}
     if type(model).__module__.startswith("timm.") or hasattr(model, TIMM_ARGS_ATTR):
@@ -80,6 +85,8 @@ def save(model: nn.Module, directory: str | Path, tokenizer=None, processor=None
         for files in (tokenizer, processor):
             if files is not None:
                 files.save_pretrained(tmp)
+        if isinstance(model, SentenceEmbedder):  # SentenceTransformer(folder) loads it too
+            write_layout(model, tmp)
         atomic_write_json(tmp / CONVERSION_FILE, meta)
     return directory
 
@@ -120,6 +127,8 @@ def build_model(spec: dict, directory: Path) -> nn.Module:
     if cls is None:
         raise LunaConvertError(f"transformers {transformers.__version__} has no class {spec['class']}; install the "
                                "transformers version that wrote this folder")
+    if spec.get("sentence_embedding") is not None:
+        return SentenceEmbedder(cls(config), **spec["sentence_embedding"])
     return cls(config)
 
 

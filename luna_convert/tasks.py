@@ -22,7 +22,8 @@ class TaskSpec:
     ``num_labels`` 1 means regression; ``None`` means "take it from the data or the model".
     ``label_names`` are the class names in index order (GLUE's order for GLUE tasks; a token task's
     tags come from the model's id2label). ``level`` "token" labels every word of a text (NER) instead
-    of the whole text ("sequence"); "span" answers a question with a span of its context (extractive QA).
+    of the whole text ("sequence"); "span" answers a question with a span of its context (extractive QA);
+    "embedding" turns each text into one vector (a sentence encoder: a text encoder plus pooling).
     """
 
     name: str
@@ -38,7 +39,7 @@ class TaskSpec:
     # Extra (not needed by callers): folder name of the task in the original GLUE download
     # ("SST-2", "MNLI", ...), used to accept a GLUE root folder as --data-dir.
     glue_dir: str | None = None
-    level: str = "sequence"  # "sequence", "token" or "span"
+    level: str = "sequence"  # "sequence", "token", "span" or "embedding"
 
     @property
     def is_token_level(self) -> bool:
@@ -47,6 +48,10 @@ class TaskSpec:
     @property
     def is_span_level(self) -> bool:
         return self.level == "span"
+
+    @property
+    def is_embedding_level(self) -> bool:
+        return self.level == "embedding"
 
     @property
     def is_regression(self) -> bool:
@@ -104,6 +109,10 @@ _ALL: tuple[TaskSpec, ...] = (
     TaskSpec("ner", "text", ("tokens",), label_column="ner_tags", headline="entity_f1", level="token"),
     # extractive question answering (SQuAD v1.1): the answer is a span of the context; SQuAD's F1 and exact match
     TaskSpec("qa", "text", ("question", "context"), label_column="answers", headline="f1", level="span"),
+    # sentence embeddings (a sentence-transformers model): trained to the teacher's embedding of unlabelled text;
+    # scored by the Spearman correlation with similarity scores where the eval data has scored sentence pairs
+    # (STS-B), else by agreement with the teacher (the headline then chosen from the data, see run.task_data)
+    TaskSpec("embedding", "text", ("sentence",), headline="teacher_cosine", level="embedding"),
 )
 
 TASKS: dict[str, TaskSpec] = {t.name: t for t in _ALL}
@@ -133,6 +142,10 @@ TASK_ALIASES: dict[str, str] = {
     "question_answering": "qa",
     "extractive-qa": "qa",
     "squad": "qa",
+    "sentence-embedding": "embedding",
+    "sentence_embedding": "embedding",
+    "sentence-similarity": "embedding",
+    "sentence_similarity": "embedding",
 }
 
 

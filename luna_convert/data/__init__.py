@@ -4,7 +4,8 @@ scikit-learn digits) and turning it into deterministic PyTorch DataLoaders.
 One concern a module: ``splits`` (split names, subsets), ``labels`` (label values, class names,
 :func:`align_labels`), ``tables`` (local table files), ``glue`` (GLUE TSV files and the hub's GLUE),
 ``conll`` (word-level tagged data for token tasks: CoNLL files, word and tag lists), ``squad`` (extractive QA
-data: SQuAD JSON, question / context / answers tables), ``images`` (image
+data: SQuAD JSON, question / context / answers tables), ``sentences`` (texts and scored sentence pairs to
+embed), ``images`` (image
 datasets), ``hub`` (hub datasets and save_to_disk folders), ``loading``
 (:func:`load_split`), ``text_loader`` and ``image_loader`` (DataLoaders). Imports run one way, in
 that order.
@@ -22,8 +23,10 @@ from .labels import align_labels, model_label_names, normalize_label_name, short
 from .loading import load_split
 from .splits import canonical_split
 from .tables import TABLE_EXTENSIONS, find_split_file, read_table
+from .sentences import embedding_texts, has_similarity_scores, sentence_dataset
 from .squad import qa_dataset
-from .text_loader import QAExample, align_word_labels, answer_token_span, make_qa_dataloader, make_text_dataloader
+from .text_loader import (QAExample, align_word_labels, answer_token_span, make_embedding_dataloader,
+                          make_qa_dataloader, make_text_dataloader)
 
 __all__ = [
     "load_split",
@@ -34,6 +37,10 @@ __all__ = [
     "answer_token_span",
     "QAExample",
     "qa_dataset",
+    "make_embedding_dataloader",
+    "embedding_texts",
+    "has_similarity_scores",
+    "sentence_dataset",
     "token_label_names",
     "short_list",
     "image_transform",

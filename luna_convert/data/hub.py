@@ -12,6 +12,7 @@ from .conll import datasets_token_split
 from .images import DatasetsImageDataset
 from .labels import int_or_none, is_missing
 from .splits import SPLIT_STEMS, canonical_split, subset_indices
+from .sentences import sentence_dataset
 from .squad import datasets_qa_split
 from .tables import LABEL_COLUMN_ALIASES, columns_to_dataset, pick_column
 
@@ -132,4 +133,6 @@ def load_datasets_split(task: TaskSpec, split: str, data_dir, max_examples: int 
     if task.is_span_level:
         return datasets_qa_split(ds, where)
     cols = {c: list(ds[c]) for c, f in ds.features.items() if isinstance(f, (datasets.Value, datasets.ClassLabel))}
+    if task.is_embedding_level:
+        return sentence_dataset(cols, where)
     return columns_to_dataset(task, cols, where, split)

@@ -11,6 +11,7 @@ from .glue import load_glue_hub_split, read_glue_tsv
 from .hub import datasets_source, load_datasets_split
 from .images import load_image_split
 from .splits import canonical_split, subset_indices
+from .sentences import load_sentence_split
 from .squad import load_qa_split
 from .tables import TABLE_EXTENSIONS, find_split_file, read_table_split
 
@@ -28,6 +29,8 @@ def _load_text_split(task: TaskSpec, split: str, data_dir: Path | None):
         return load_token_split(task, split, data_dir)
     if task.is_span_level:
         return load_qa_split(task, split, data_dir)
+    if task.is_embedding_level:
+        return load_sentence_split(task, split, data_dir)
     if data_dir is None:
         return load_glue_hub_split(task, split)
     data_dir = _resolve_text_dir(task, data_dir)
@@ -45,7 +48,8 @@ def load_split(task: TaskSpec | str, split: str, data_dir: str | Path | None = N
     ids; float for regression; -1 on unlabelled test splits; strings only for generic tasks whose
     files hold class names — :func:`align_labels` maps those). Token tasks: columns ``tokens`` (a list of
     words), ``label`` (a list of tags, names or ids) and ``source`` (where each sentence is). Span (QA) tasks:
-    ``id``, ``question``, ``context``, ``answers`` (texts), ``answer_starts`` and ``source``. Image tasks: a torch-style dataset of
+    ``id``, ``question``, ``context``, ``answers`` (texts), ``answer_starts`` and ``source``. Embedding tasks:
+    ``sentence``, or ``sentence1``, ``sentence2`` and a float ``label`` where pairs are scored. Image tasks: a torch-style dataset of
     ``(PIL.Image RGB, int label)`` with a ``classes`` attribute.
 
     ``max_examples``: a deterministic subset — ``max_examples`` rows drawn with ``seed`` for the

@@ -1,6 +1,7 @@
 """Text DataLoaders: tokenising once (counting the examples cut to ``max_length``) and padding
 each batch to its longest example; for token tasks, word tags carried over to the sub-word tokens; for
-extractive QA, answers as start and end tokens of the context."""
+extractive QA, answers as start and end tokens of the context; for sentence embeddings, texts with float
+targets (the teacher's embeddings, or similarity scores)."""
 
 from __future__ import annotations
 
@@ -55,8 +56,11 @@ class _TextCollator:
         if self.token_level:
             out["labels"] = torch.tensor(padded("labels", IGNORE_INDEX), dtype=torch.long)
         else:
+            import numpy as np
+
             dtype = torch.float32 if self.regression else torch.long
-            out["labels"] = torch.tensor([it["labels"] for it in items], dtype=dtype)
+            # np.asarray first: rows of a [N, D] target array stack at once (torch is slow on a list of arrays)
+            out["labels"] = torch.as_tensor(np.asarray([it["labels"] for it in items]), dtype=dtype)
         return out
 
 
@@ -168,6 +172,40 @@ def make_text_dataloader(dataset, task: TaskSpec | str, tokenizer, *, batch_size
     loader.num_truncated = truncated
     loader.longest = max((len(ids) for ids in features["input_ids"]), default=0)  # tokens, after truncation
     loader.num_examples = len(labels)
+    loader.max_length = max_length
+    return loader
+
+
+def make_embedding_dataloader(texts: Sequence[str], targets: Sequence, tokenizer, *, batch_size: int,
+                              max_length: int = 128, shuffle: bool = False, seed: int = 0, chunk_size: int = 4096):
+    """A DataLoader of padded batches of single ``texts`` with float ``labels``: ``targets`` one a text (a
+    vector, the teacher's embedding [B, D]; or a number, a pair's similarity score [B]). ``num_truncated``,
+    ``longest``, ``num_examples`` as :func:`make_text_dataloader`."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    if batch_size < 1:
+        raise LunaConvertError(f"batch size must be at least 1, got {batch_size}")
+    if len(texts) != len(targets):
+        raise LunaConvertError(f"{len(texts)} texts but {len(targets)} targets; they must match one to one")
+    features: dict[str, list[list[int]]] = {"input_ids": [], "attention_mask": []}
+    truncated = 0
+    for start in range(0, len(texts), chunk_size):
+        batch, _, cut = _encode(tokenizer, [list(texts[start:start + chunk_size])], max_length, words=False)
+        truncated += cut
+        for k, v in batch.items():
+            features.setdefault(k, []).extend(v)
+    if len(features["attention_mask"]) != len(features["input_ids"]):
+        features["attention_mask"] = [[1] * len(ids) for ids in features["input_ids"]]
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    collate = _TextCollator(int(pad_id or 0), getattr(tokenizer, "padding_side", "right"), regression=True)
+    generator = torch.Generator()
+    generator.manual_seed(int(seed))
+    loader = DataLoader(_TokenizedDataset(features, list(targets)), batch_size=batch_size, shuffle=shuffle,
+                        collate_fn=collate, generator=generator)
+    loader.num_truncated = truncated
+    loader.longest = max((len(ids) for ids in features["input_ids"]), default=0)
+    loader.num_examples = len(texts)
     loader.max_length = max_length
     return loader
 

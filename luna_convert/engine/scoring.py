@@ -1,4 +1,5 @@
-"""Scoring a model on a task's eval loaders; for extractive QA, the best answer span of each example first."""
+"""Scoring a model on a task's eval loaders; for extractive QA, the best answer span of each example first; for
+scored sentence pairs, the two embeddings of each pair side by side."""
 
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ def score(accelerator, model, loaders: dict, task) -> tuple[dict, int]:
         if task.is_span_level:  # predicted answer texts against the gold answer texts
             examples = loader.qa_examples
             values = compute_metrics(task, span_answers(logits, examples), [e.answers for e in examples])
+        elif task.is_embedding_level and getattr(loader, "scored_pairs", False):
+            # texts a0, b0, a1, b1, ...: pair i is rows 2i and 2i + 1, both labelled with the pair's score
+            logits, labels = logits.reshape(-1, 2, logits.shape[-1]), labels[0::2]
+            values = compute_metrics(task, logits, labels)
         else:
             values = compute_metrics(task, logits, labels)
         prefix = "" if i == 0 else f"{name}/"

@@ -86,6 +86,20 @@ def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
+EMBEDDING_LOSSES = ("cosine", "mse")
+
+
+def embedding_loss(embeddings: torch.Tensor, targets: torch.Tensor, kind: str = "cosine") -> torch.Tensor:
+    """How far sentence embeddings [B, D] are from the teacher's [B, D]: the mean of 1 - cosine similarity
+    ("cosine": the direction only, what similarity search reads) or the mean squared error ("mse")."""
+    embeddings, targets = embeddings.float(), targets.float()
+    if kind == "cosine":
+        return (1 - F.cosine_similarity(embeddings, targets, dim=-1)).mean()
+    if kind == "mse":
+        return F.mse_loss(embeddings, targets)
+    raise LunaConvertError(f"unknown embedding loss {kind!r}; use one of {', '.join(EMBEDDING_LOSSES)}")
+
+
 # ------------------------------------------------------------------ progress UI
 def progress_bar(accelerator, description: str, total: int, file=None, every: float = 5.0):
     """Progress of a long step on the main process only (a no-op elsewhere): a rich bar in a terminal;
@@ -390,8 +404,9 @@ def finetune(
     schedule: str = "linear", warmup_ratio: float = 0.0, max_grad_norm: float = 1.0, run_dir: Path | None = None,
     checkpoint_every: int = 0, start_step: int = 0, log: Callable[[dict], None] | None = None,
     stage: str = "finetune", added_lr: float | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = task_loss,
 ) -> tuple[nn.Module, StageResult]:
-    """Train every parameter on the task loss for ``steps`` optimizer updates.
+    """Train every parameter on the task loss (``loss_fn(outputs, labels)``) for ``steps`` optimizer updates.
 
     ``added_lr`` is the learning rate of what conversion added (feature maps, DWC
     branch): freshly initialised modules barely move at a pretrained model's small
@@ -418,7 +433,7 @@ def finetune(
             for batch in _batches(loader, accelerator, skip, epoch):
                 with accelerator.accumulate(model):
                     with accelerator.autocast():
-                        loss = task_loss(forward_logits(model, batch), batch["labels"])
+                        loss = loss_fn(forward_logits(model, batch), batch["labels"])
                     _check_finite(loss, stage, step, accelerator, steps, run_dir)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients and max_grad_norm:

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Mapping
 
 from ..conversion import resolve_options
 from ..engine.lora import check_peft_available
+from ..engine.training import EMBEDDING_LOSSES
 from ..errors import LunaConvertError, unknown_name
 from ..linear_methods.registry import get_method
 from ..tasks import get_task
@@ -57,6 +58,8 @@ class TrainSettings:
     max_train_examples: int | None = None
     max_eval_examples: int | None = None
     score_stages: bool = True  # also score right after conversion and after distillation
+    # the embedding task's loss against the teacher's embeddings: cosine (1 - cosine similarity) | mse
+    embedding_loss: str = "cosine"
 
 
 @dataclass
@@ -170,8 +173,10 @@ class RunConfig:
         method names, every number and choice, and the method options (built as the method's options
         object), before any model is loaded. What only a model can tell is checked when it is loaded
         (``pipeline``: supported attention, keep_softmax_layers in range, options that fit its heads)."""
-        if self.task:
-            get_task(self.task)
+        if self.task and get_task(self.task).is_embedding_level and self.distill.target == "logits":
+            raise LunaConvertError("distill.target=logits does not fit --task embedding (a sentence encoder has no "
+                                   "logits; its finetuning already matches the teacher's embeddings): use "
+                                   "--set distill.target=attention or output")
         control = self.method == CONTROL_METHOD
         if not control:
             get_method(self.method)
@@ -229,6 +234,8 @@ class RunConfig:
             ("train.image_size", t.image_size, t.image_size is None or _is_int(t.image_size) and t.image_size >= 1,
              "a positive integer or null (the model's size)"),
             ("train.schedule", t.schedule, t.schedule in ("linear", "cosine", "constant"), "linear, cosine or constant"),
+            ("train.embedding_loss", t.embedding_loss, t.embedding_loss in EMBEDDING_LOSSES,
+             " or ".join(EMBEDDING_LOSSES)),
             ("distill.steps", d.steps, d.steps is None or _is_int(d.steps) and d.steps >= 0,
              "0 or more, or null (the method's default)"),
             ("distill.default_steps", d.default_steps, _is_int(d.default_steps) and d.default_steps >= 0, "0 or more"),

@@ -49,7 +49,8 @@ def card_metadata(results: dict, config: RunConfig) -> dict:
     task = task_for(config)
     pipeline_tag = ("image-classification" if task.kind == "image" else
                     "token-classification" if task.is_token_level else
-                    "question-answering" if task.is_span_level else "text-classification")
+                    "question-answering" if task.is_span_level else
+                    "sentence-similarity" if task.is_embedding_level else "text-classification")
     method = results["method"]
     converted = results["converted_metrics"]
     meta: dict = {}

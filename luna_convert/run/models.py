@@ -4,6 +4,7 @@
   a folder written by luna_convert.save   (converted or original; offline)
   a transformers folder or hub id          (text or image classifier)
   ``timm:<name>``                          (timm ViT/DeiT with pretrained weights)
+  a sentence-transformers folder           (the embedding task: encoder, pooling, normalisation)
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from torch import nn
 from ..errors import LunaConvertError
 from ..folder_layout import CONVERSION_FILE, HF_CONFIG_FILE, MODEL_DIR
 from ..model_building import LoadedModel, create_timm_model
+from ..sentence_embedding import SentenceEmbedder, is_sentence_transformers_folder, read_layout
 from ..serialization import load, read_metadata
-from .teachers import builtin_dir
+from .teachers import builtin_dir, is_packaged
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
                    "sentencepiece.bpe.model", "tokenizer.model", "merges.txt")
@@ -101,12 +103,14 @@ def load_model(source: str, num_labels: int | None = None, level: str = "sequenc
     """Load a classifier and its preprocessing. ``num_labels`` sizes a fresh head only when the
     checkpoint has none (a base model); a finetuned head is kept as it is. ``level`` is the task's
     (:class:`~luna_convert.tasks.TaskSpec`): "token" loads a token-classification model (a prediction a
-    token, for NER), "span" a question-answering one (start and end logits a token). A checkpoint whose
-    head (its ``architectures``) is of another kind is refused."""
+    token, for NER), "span" a question-answering one (start and end logits a token), "embedding" a sentence
+    encoder (:func:`load_sentence_embedder`). A checkpoint whose head (its ``architectures``) is of another
+    kind is refused."""
     path = Path(source)
     if path.is_dir() and (path / CONVERSION_FILE).is_file():
         meta = read_metadata(path)
         if meta["model"]["library"] == "transformers":
+            _check_embedding(meta["model"].get("sentence_embedding") is not None, source, level)
             _check_head([meta["model"]["class"]], source, level)
         model = load(path)
         if meta["model"]["library"] == "timm":
@@ -121,10 +125,12 @@ def load_model(source: str, num_labels: int | None = None, level: str = "sequenc
         return LoadedModel(model, "image", image_config=_timm_image_config(model), source=source)
     if source.startswith("builtin:"):
         folder = builtin_dir(source[8:], "outputs")
-        if not (folder / CONVERSION_FILE).is_file():
+        if not (folder / CONVERSION_FILE).is_file() and not is_packaged(source[8:]):
             raise LunaConvertError(f"the built-in teacher {source} is not trained yet; run a recipe that uses it "
                                    "(e.g. `luna-convert demo`) first")
-        return load_model(str(folder))
+        return load_model(str(folder), num_labels, level)
+    if level == "embedding":
+        return load_sentence_embedder(source)
     if not path.exists() and (source.startswith((".", "/", "~")) or source.count("/") > 1):
         raise LunaConvertError(f"model folder {source} does not exist; pass a local folder or a hub id")
     if path.is_dir():
@@ -175,11 +181,56 @@ def _check_head(architectures: list[str], source: str, level: str) -> None:
                                    f"{', '.join(architectures)}); --task {task} needs one, e.g. Bert{suffix}")
 
 
+def _check_embedding(is_embedder: bool, source: str, level: str) -> None:
+    """A saved sentence embedding model runs only as the embedding task, and the embedding task only on one."""
+    if is_embedder and level != "embedding":
+        raise LunaConvertError(f"{source} is a sentence embedding model; run it with --task embedding")
+    if level == "embedding" and not is_embedder:
+        raise LunaConvertError(f"{source} is a luna-convert model folder of a classifier, not a sentence embedding "
+                               "model; --task embedding needs a sentence-transformers folder or a transformers encoder")
+
+
+def load_sentence_embedder(source: str) -> LoadedModel:
+    """A sentence encoder: a sentence-transformers folder (its Transformer, Pooling and Normalize modules,
+    see :func:`luna_convert.sentence_embedding.read_layout`) or a transformers encoder (folder or hub id)
+    with mean pooling; ``LoadedModel.note`` says which pooling was chosen and why."""
+    import transformers
+
+    path = Path(source)
+    if path.is_dir() and is_sentence_transformers_folder(path):
+        layout = read_layout(path)
+        encoder_dir, pooling, normalize, max_length = (layout.encoder_dir, layout.pooling, layout.normalize,
+                                                       layout.max_length)
+        note = (f"sentence-transformers model: {pooling} pooling" + (", normalized" if normalize else "")
+                + " (modules.json)")
+    else:
+        if not path.exists() and (source.startswith((".", "/", "~")) or source.count("/") > 1):
+            raise LunaConvertError(f"model folder {source} does not exist; pass a local folder or a hub id")
+        if path.is_dir():
+            check_model_folder(path)
+        encoder_dir, pooling, normalize, max_length = source, "mean", False, None
+        note = f"{source} has no modules.json (not a sentence-transformers model): mean pooling of its encoder"
+    if Path(encoder_dir).is_dir():
+        check_model_folder(Path(encoder_dir))
+    try:
+        encoder = transformers.AutoModel.from_pretrained(str(encoder_dir))
+    except (OSError, ValueError) as e:
+        if Path(encoder_dir).is_dir():
+            raise _local_load_error(str(encoder_dir), e) from e
+        raise _offline_hint(source, e) from None
+    if _is_vision_config(encoder.config):
+        raise LunaConvertError(f"{source} is a vision model; --task embedding needs a text encoder")
+    loaded = _with_transformers_preprocessing(SentenceEmbedder(encoder, pooling, normalize, max_length),
+                                              encoder_dir, source)
+    loaded.note = note
+    return loaded
+
+
 def _local_load_error(source: str, error: Exception) -> LunaConvertError:
     reason = (str(error).strip().splitlines() or [""])[0][:200]
     return LunaConvertError(f"cannot load the model in {source} ({type(error).__name__}: {reason}); the folder must "
                             "hold a complete transformers checkpoint (config.json and its weights) of a "
-                            "sequence-, token- or image-classification or question-answering model")
+                            "sequence-, token- or image-classification, question-answering or encoder model")
 
 
 def check_model_folder(path: Path) -> None:

