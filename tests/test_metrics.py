@@ -94,6 +94,14 @@ def test_headline_is_among_computed_keys():
             out = compute_metrics(spec, ["the cat", "a dog"], [["cat"], ["dog", "the cat"]])
             assert headline_metric(spec) in out and set(out) == set(metric_names(spec)), name
             continue
+        if spec.is_embedding_level:  # embeddings against the teacher's, or pairs against similarity scores
+            teacher = rng.normal(size=(20, 8))
+            out = compute_metrics(spec, teacher + 0.1 * rng.normal(size=(20, 8)), teacher)
+            assert headline_metric(spec) in out and set(out) == set(metric_names(spec)), name
+            pairs = dataclasses.replace(spec, headline="spearmanr")
+            out = compute_metrics(pairs, rng.normal(size=(20, 2, 8)), rng.random(20) * 5)
+            assert "spearmanr" in out and set(out) == set(metric_names(pairs)), name
+            continue
         n_cls = spec.num_labels or 3
         shape = (20, 6) if spec.is_token_level else (20,)  # token tasks: a label a token
         if spec.is_token_level:  # tag names come from the model

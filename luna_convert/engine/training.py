@@ -404,15 +404,17 @@ def finetune(
     schedule: str = "linear", warmup_ratio: float = 0.0, max_grad_norm: float = 1.0, run_dir: Path | None = None,
     checkpoint_every: int = 0, start_step: int = 0, log: Callable[[dict], None] | None = None,
     stage: str = "finetune", added_lr: float | None = None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = task_loss,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[nn.Module, StageResult]:
-    """Train every parameter on the task loss (``loss_fn(outputs, labels)``) for ``steps`` optimizer updates.
+    """Train every parameter on the task loss (``loss_fn(outputs, labels)``, default :func:`task_loss`) for
+    ``steps`` optimizer updates.
 
     ``added_lr`` is the learning rate of what conversion added (feature maps, DWC
     branch): freshly initialised modules barely move at a pretrained model's small
     learning rate. None: ``lr`` for everything. Returns the prepared (possibly
     DDP-wrapped) model and the stage summary.
     """
+    loss_fn = loss_fn or task_loss  # looked up per call, not bound at definition
     optimizer = torch.optim.AdamW(parameter_groups(model, lr, weight_decay, added_lr), lr=lr)
     # accelerate steps the scheduler once per process per update; keep it in update units.
     scheduler = make_scheduler(optimizer, schedule, int(warmup_ratio * steps), steps)

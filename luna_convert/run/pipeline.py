@@ -27,7 +27,7 @@ from .plots import write_curves
 from ..serialization import library_versions, save
 from ..engine.head_fit import head_fit
 from ..engine.lora import add_lora, merge_lora
-from ..engine.training import distill_attention, embedding_loss, finetune, read_trainer_state, task_loss
+from ..engine.training import distill_attention, embedding_loss, finetune, read_trainer_state
 from ..tasks import get_task
 from .models import check_model_folder, example_inputs, load_model
 from .teachers import ensure_builtin
@@ -320,7 +320,7 @@ def run_conversion(config: RunConfig | None, resume: str | Path | None = None, c
                             run_dir=run_dir, checkpoint_every=t.checkpoint_every, start_step=start, log=log,
                             added_lr=t.added_lr,
                             loss_fn=partial(embedding_loss, kind=t.embedding_loss) if task.is_embedding_level
-                            else task_loss)
+                            else None)
     timings["finetune_s"] = stage.seconds
 
     # 5. The converted score, 6. save.
