@@ -35,9 +35,16 @@ class TaskData:
             names = data.token_label_names(loaded.id2label, loaded.num_labels)
             task = dataclasses.replace(task, label_names=names, num_labels=len(names))
         t = config.train
+        loaded_splits: dict = {}  # (split, limit) -> dataset: the embedding task reads its eval split twice
+
+        def load(name: str, limit):
+            if (name, limit) not in loaded_splits:
+                loaded_splits[name, limit] = data.load_split(task, name, config.data_dir, max_examples=limit,
+                                                             seed=config.seed)
+            return loaded_splits[name, limit]
+
         if task.is_embedding_level:
-            eval_split = data.load_split(task, config.eval_split or task.eval_split, config.data_dir,
-                                         max_examples=t.max_eval_examples, seed=config.seed)
+            eval_split = load(config.eval_split or task.eval_split, t.max_eval_examples)
             names = SIMILARITY_METRICS if data.has_similarity_scores(eval_split) else AGREEMENT_METRICS
             task = dataclasses.replace(task, headline=task.headline if task.headline in names else names[0])
         self.task, self.loaded, self.config = task, loaded, config
@@ -46,7 +53,7 @@ class TaskData:
         self.truncated_by_split: dict[str, int] = {}  # examples cut to max_length; each split counted once
 
         def split(name: str, limit, train: bool, batch_size: int):
-            dataset = data.load_split(task, name, config.data_dir, max_examples=limit, seed=config.seed)
+            dataset = load(name, limit)
             if task.is_span_level:  # answers are spans of the context: no labels to align with the model's
                 loader = data.make_qa_dataloader(dataset, loaded.tokenizer, batch_size=batch_size,
                                                  max_length=t.max_length, shuffle=train, seed=config.seed)
