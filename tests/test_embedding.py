@@ -17,6 +17,7 @@ from luna_convert.engine.training import embedding_loss
 from luna_convert.errors import LunaConvertError
 from luna_convert.metrics import compute_metrics, cosine_rows, metric_names, topk_agreement
 from luna_convert.run.config import RunConfig
+from luna_convert.run.recipes import apply_overrides
 from luna_convert.run.models import load_model
 from luna_convert.run.pipeline import evaluate_model, run_conversion
 from luna_convert.sentence_embedding import SentenceEmbedder, pool
@@ -283,8 +284,7 @@ def test_a_cli_run_writes_the_headline_and_eval_reproduces_it(sentence_model, tm
     assert results["config"]["train"]["embedding_loss"] == "mse"
     proc = run_cli("eval", results_file.parent, "--json", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    printed = proc.stdout[proc.stdout.rindex("\n{\n") + 1:]  # after the progress lines (stdout is no terminal)
-    assert json.loads(printed)["metrics"] == results["converted_metrics"]
+    assert json.loads(proc.stdout)["metrics"] == results["converted_metrics"]  # progress lines go to stderr
 
 
 # ------------------------------------------------------------------ bad input
@@ -316,6 +316,23 @@ def test_a_missing_pooling_config_or_mode_is_refused(tmp_path):
     assert message.startswith("missing pooling config") and "1_Pooling/config.json" in message
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_weightedmean_tokens": True}))
     assert "asks for pooling weightedmean" in _one_line_error(lambda: load_model(str(folder), level="embedding"))
+
+
+def test_metric_chooses_within_what_the_data_gives_and_refuses_the_rest(sentence_model, tmp_path):
+    """--metric pearson on scored pairs is the headline; --metric spearmanr on plain texts (no scores to
+    correlate with) is refused before anything is written, not swapped for another metric."""
+    stsb = write_stsb(tmp_path / "stsb", n_train=8, n_dev=4)
+    config = apply_overrides(config_for(Path(sentence_model), stsb, "embedding", "luna", tmp_path / "a"),
+                             {"metric": "pearson", "train.max_steps": 1, "distill.default_steps": 1})
+    results = run_conversion(config)
+    assert results["headline_metric"] == "pearson" and results["converted_score"] == results["converted_metrics"]["pearson"]
+    out = tmp_path / "b"
+    config = apply_overrides(config_for(Path(sentence_model), write_sst2(tmp_path / "d", 4, 3), "embedding", "luna", out),
+                             {"metric": "spearmanr"})
+    message = _one_line_error(lambda: run_conversion(config))
+    assert message == ("--metric spearmanr cannot be computed on this data (plain texts); choose one of "
+                       "teacher_cosine, topk_agreement")
+    assert not out.exists()
 
 
 def test_logits_distillation_is_refused_for_the_embedding_task(sentence_model, tmp_path):

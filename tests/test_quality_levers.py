@@ -341,7 +341,7 @@ def test_eval_heads_prints_the_per_layer_fit_and_refuses_an_unconverted_model(ti
     results = run_conversion(config_for(model_dir, data_dir, "sst2", "hedgehog", tmp_path / "r"))
     out = CliRunner().invoke(app, ["eval", results["run_dir"], "--heads", "--json"])
     assert out.exit_code == 0, out.output
-    fit = json.loads(out.output[out.output.index("{"):])["head_fit"]
+    fit = json.loads(out.stdout)["head_fit"]  # stdout is the JSON alone: progress goes to stderr
     assert len(fit["layers"]) == 2 and fit["mean_kl"] == pytest.approx(results["head_fit"]["mean_kl"], abs=1e-4)
     out = CliRunner().invoke(app, ["eval", str(model_dir), "--task", "sst2", "--data-dir", str(data_dir), "--heads"])
     assert out.exit_code == 2 and "is not converted: --heads compares" in out.output

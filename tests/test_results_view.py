@@ -334,7 +334,8 @@ def test_progress_of_a_resumed_stage_counts_speed_from_the_resume_point():
 
 
 def test_evaluation_through_the_one_progress_helper_prints_to_a_non_terminal(capsys):
-    """predict (evaluation, teacher scoring) uses progress_bar: under a captured (non-tty) stdout it prints a line."""
+    """predict (evaluation, teacher scoring) uses progress_bar: under a captured (non-tty) stderr it prints a
+    line there, and nothing on stdout, which carries results alone."""
     import torch
     from accelerate import Accelerator
 
@@ -346,8 +347,10 @@ def test_evaluation_through_the_one_progress_helper_prints_to_a_non_terminal(cap
 
     batches = [{"input_ids": torch.ones(2, 3), "labels": torch.zeros(2, dtype=torch.long)} for _ in range(3)]
     predict(Accelerator(cpu=True), Tiny(), batches, "eval validation")
+    captured = capsys.readouterr()
     assert any(line.startswith("eval validation 3/3 ") and "eta 0:00:00" in line
-               for line in capsys.readouterr().out.splitlines())
+               for line in captured.err.splitlines())
+    assert captured.out == ""
 
 
 def test_other_processes_print_nothing():

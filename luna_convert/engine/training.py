@@ -11,6 +11,7 @@ import inspect
 import json
 import math
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,13 +105,15 @@ def embedding_loss(embeddings: torch.Tensor, targets: torch.Tensor, kind: str = 
 def progress_bar(accelerator, description: str, total: int, file=None, every: float = 5.0):
     """Progress of a long step on the main process only (a no-op elsewhere): a rich bar in a terminal;
     where output is not a terminal (a log file, a pipe, CI), a plain line every ``every`` seconds.
+    It goes to stderr unless ``file`` says otherwise, so that stdout carries only results
+    (``luna-convert eval --json | jq`` reads JSON alone).
 
     Both answer ``with bar:``, ``bar.advance(task)`` and ``bar.update(task, advance=, completed=, info=)``.
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    console = Console(file=file)
+    console = Console(file=file if file is not None else sys.stderr)
     if accelerator.is_main_process and not (console.is_terminal or console.is_jupyter):  # notebooks draw rich bars
         bar = PlainProgress(description, total, console.file, every)
         return bar, bar.task

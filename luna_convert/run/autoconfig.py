@@ -34,7 +34,7 @@ from ..tasks import TaskSpec, get_task
 from .. import data
 from ..data import (TABLE_EXTENSIONS, align_labels, canonical_split, model_label_names, normalize_label_name,
                     short_list)
-from ..metrics import metric_names
+from ..metrics import AGREEMENT_METRICS, SIMILARITY_METRICS, metric_names
 from .config import RunConfig
 
 __all__ = [
@@ -106,6 +106,8 @@ def resolve_metric(spec: TaskSpec, metric: str | None, num_classes: int | None =
     if not metric:
         return spec.headline
     names = metric_names(spec, num_classes)
+    if spec.is_embedding_level:  # which set applies depends on the data: run.task_data checks the choice against it
+        names = SIMILARITY_METRICS + AGREEMENT_METRICS
     key = str(metric).strip().lower().replace("-", "_")
     if key not in names:
         key = METRIC_ALIASES.get(key, key)

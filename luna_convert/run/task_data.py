@@ -46,6 +46,10 @@ class TaskData:
         if task.is_embedding_level:
             eval_split = load(config.eval_split or task.eval_split, t.max_eval_examples)
             names = SIMILARITY_METRICS if data.has_similarity_scores(eval_split) else AGREEMENT_METRICS
+            if config.metric and task.headline not in names:  # a metric this data cannot give: say so, never swap it
+                has = "plain texts" if names is AGREEMENT_METRICS else "sentence pairs with similarity scores"
+                raise LunaConvertError(f"--metric {task.headline} cannot be computed on this data ({has}); choose one "
+                                       f"of {', '.join(names)}")
             task = dataclasses.replace(task, headline=task.headline if task.headline in names else names[0])
         self.task, self.loaded, self.config = task, loaded, config
         self.accelerator, self.teacher = accelerator, teacher
