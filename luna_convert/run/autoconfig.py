@@ -105,9 +105,8 @@ def resolve_metric(spec: TaskSpec, metric: str | None, num_classes: int | None =
 
     if not metric:
         return spec.headline
-    names = metric_names(spec, num_classes)
-    if spec.is_embedding_level:  # which set applies depends on the data: run.task_data checks the choice against it
-        names = SIMILARITY_METRICS + AGREEMENT_METRICS
+    # embedding: which set applies depends on the data, so accept either; run.task_data checks the choice against it
+    names = SIMILARITY_METRICS + AGREEMENT_METRICS if spec.is_embedding_level else metric_names(spec, num_classes)
     key = str(metric).strip().lower().replace("-", "_")
     if key not in names:
         key = METRIC_ALIASES.get(key, key)
