@@ -180,3 +180,22 @@ def test_long_model_rows_compare_three_variants_with_the_same_weights(tmp_path):
     assert all(_positive(r["original_ms"]) and _positive(r["converted_ms"]) for r in long["dinov2"])
     assert "DINOv2 (tiny) inference" in (out / "bench.md").read_text()
     assert any("log-log slope of train-step peak memory" in t["target"] for t in data["targets"])
+
+
+def test_long_model_training_step_that_would_not_fit_is_skipped_and_said(tmp_path, monkeypatch):
+    from luna_convert.tools import bench
+
+    # The first length measures its step (no estimate yet); the next one's extrapolated peak exceeds what is
+    # "free", so every variant skips it instead of training into an out-of-memory kill.
+    monkeypatch.setattr(bench, "_available_memory_bytes", lambda device: 1)
+    results = run_benchmark(tmp_path / "long", lengths=(16,), methods=["t2r"], models=False, quick=True,
+                            long_models=True, long_lengths=(32, 64), device="cpu", console=Console(file=io.StringIO()))
+    first, second = results["long_models"]["rows"]
+    for variant in ("original", "converted global", "converted all"):
+        assert _positive(first[variant]["train_ms"]) and _positive(first[variant]["train_peak_mb"])
+        assert "train_ms" not in second[variant] and "GiB free" in second[variant]["train_skipped"]
+        assert _positive(second[variant]["fwd_ms"])
+    assert second["converted all"]["fwd_ms_ratio"] == second["converted all"]["fwd_ms"] / second["original"]["fwd_ms"]
+    md = (tmp_path / "long" / "bench.md").read_text()
+    assert "Training steps skipped" in md and "64 tokens, converted all: needs about" in md
+    assert not any("peak memory" in t["target"] for t in results["targets"])  # one measured length: no slope

@@ -449,6 +449,35 @@ DINO_SIZES = (224, 518, 1024)  # DINOv2 is trained at 518 px; 224 and 1024 inter
 LONG_VARIANTS = ("original", "converted global", "converted all")  # softmax; global layers linear; every layer
 
 
+def _ms_and_ratio(cell: dict, key: str) -> str:
+    """``"1234 (x0.81)"`` for a long-model cell's value and its ratio to the original; "-" where not measured."""
+    if key not in cell:
+        return "-"
+    ratio = cell.get(f"{key}_ratio")
+    return f"{cell[key]:.0f}" + (f" (x{ratio:.2f})" if ratio is not None else "")
+
+
+def _available_memory_bytes(device) -> int | None:
+    """Memory a new allocation can still get: CUDA's free memory, or Linux's MemAvailable (None elsewhere)."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# A training step's peak at the next length is guessed as the last one's, scaled linearly in N (what the
+# original's flash SDPA and the linear layers need), with this margin; above what is free, the step is skipped.
+TRAIN_MEMORY_MARGIN = 1.3
+
+
 def bench_long_models(device, repeats: int, warmup: int, quick: bool = False, method: str = "luna",
                       lengths: Sequence[int] | None = None, memory: bool = True, cpu_time: bool = False,
                       log: Callable[[str], None] = print) -> dict:
@@ -457,8 +486,14 @@ def bench_long_models(device, repeats: int, warmup: int, quick: bool = False, me
     Three variants with the same weights: the original (SDPA, its global/local pattern), the global
     layers converted (``convert``'s default: local layers stay sliding-window softmax), every layer
     converted (``convert_local_layers=True``). Times and the training step's peak tensor memory, each
-    also as a ratio to the original."""
+    also as a ratio to the original.
+
+    The variants run one after another, each with its own optimizer freed before the next, so only one
+    trains at a time (a ModernBERT-base training step at 4k tokens peaks near 10 GB in float32). With
+    ``memory``, a training step whose peak, extrapolated from the previous length, would not fit in the
+    memory left is skipped and the row says so (``train_skipped``) rather than the process being killed."""
     import copy
+    import gc
 
     import torch
     import transformers
@@ -477,32 +512,49 @@ def bench_long_models(device, repeats: int, warmup: int, quick: bool = False, me
     clock = _Clock(device, cpu_time)
     torch.manual_seed(0)
     original = transformers.ModernBertForMaskedLM(config).to(device)
-    models = {"original": original}
-    for name, local in (("converted global", False), ("converted all", True)):
-        models[name] = copy.deepcopy(original)
-        convert(models[name], method, convert_local_layers=local)
-    rows = []
-    for n in lengths:
-        t0 = time.perf_counter()
-        ids = torch.randint(3, config.vocab_size, (1, n), device=device)
-        labels = torch.randint(3, config.vocab_size, (1, n), device=device)
-
-        batch = {"input_ids": ids, "labels": labels}
-        fwd = _round_robin({k: _inference(m, {"input_ids": ids}) for k, m in models.items()}, clock, repeats, warmup)
-        train = _round_robin({k: _train_step(m, batch) for k, m in models.items()}, clock, repeats, warmup)
-        peaks = peak_memory({k: _train_step(m, batch) for k, m in models.items()}, device) if memory else {}
-        row: dict = {"tokens": n, "batch": 1}
-        for k in models:
-            row[k] = {"fwd_ms": _median_ms(fwd[k]), "train_ms": _median_ms(train[k])}
-            if memory:
-                row[k]["train_peak_mb"] = peaks[k] / 2**20
-            for key in list(row[k]):
-                row[k][f"{key}_ratio"] = row[k][key] / row["original"][key] if k != "original" else 1.0
-        rows.append(row)
-        log(f"ModernBERT {n} tokens: " + ", ".join(
-            f"{k} {row[k]['fwd_ms']:.0f}/{row[k]['train_ms']:.0f} ms" for k in models)
-            + f"  (forward/train step, {time.perf_counter() - t0:.0f} s)")
-    del models, original
+    inputs = {n: (torch.randint(3, config.vocab_size, (1, n), device=device),
+                  torch.randint(3, config.vocab_size, (1, n), device=device)) for n in lengths}
+    rows = [{"tokens": n, "batch": 1} for n in lengths]
+    for name, local in zip(LONG_VARIANTS, (None, False, True)):
+        model = original
+        if local is not None:
+            model = copy.deepcopy(original)
+            convert(model, method, convert_local_layers=local)
+        last_peak: tuple[int, float] | None = None  # (tokens, bytes) of the last measured training step
+        for row in rows:
+            n, (ids, labels) = row["tokens"], inputs[row["tokens"]]
+            t0 = time.perf_counter()
+            x = row[name] = {"fwd_ms": _median_ms(_round_robin({name: _inference(model, {"input_ids": ids})}, clock,
+                                                               repeats, warmup)[name])}
+            available = _available_memory_bytes(device) if memory else None
+            if last_peak and available is not None and last_peak[1] * n / last_peak[0] * TRAIN_MEMORY_MARGIN > available:
+                need = last_peak[1] * n / last_peak[0]
+                x["train_skipped"] = (f"needs about {need / 2**30:.1f} GiB (the {last_peak[0]}-token step's peak, "
+                                      f"linear in N), {available / 2**30:.1f} GiB free")
+                log(f"ModernBERT {n} tokens, {name}: training step skipped: {x['train_skipped']}")
+            else:
+                batch = {"input_ids": ids, "labels": labels}
+                step = _train_step(model, batch)
+                x["train_ms"] = _median_ms(_round_robin({name: step}, clock, repeats, warmup)[name])
+                del step  # its optimizer state; the peak below is measured with a fresh one
+                model.zero_grad(set_to_none=True)
+                gc.collect()
+                if memory:
+                    peak = peak_memory({name: _train_step(model, batch)}, device)[name]
+                    x["train_peak_mb"], last_peak = peak / 2**20, (n, peak)
+                    model.zero_grad(set_to_none=True)
+                    gc.collect()
+            for key in [k for k in x if k.endswith(("_ms", "_mb"))]:
+                base = row["original"].get(key)
+                x[f"{key}_ratio"] = 1.0 if name == "original" else x[key] / base if base else None
+            log(f"ModernBERT {n} tokens, {name}: forward {x['fwd_ms']:.0f} ms, train step "
+                + (f"{x['train_ms']:.0f} ms" if "train_ms" in x else "skipped")
+                + (f", peak {x['train_peak_mb']:.0f} MiB" if "train_peak_mb" in x else "")
+                + f"  ({time.perf_counter() - t0:.0f} s)")
+        if model is not original:
+            del model
+        gc.collect()
+    del original
     # DINOv2 (ViT-B/14 sizes, random init) at other resolutions: positions interpolated from 518 px.
     if quick:
         dino = transformers.Dinov2Config(image_size=56, patch_size=14, hidden_size=64, num_hidden_layers=2,
@@ -581,10 +633,12 @@ def _targets(layers: dict | None, models: dict | None, layers_busy: dict | None 
             if 8192 in rows:
                 r = rows[8192][variant]
                 add(f"{long_models['model']} 8192 tokens, {variant}: inference time / original", r["fwd_ms_ratio"], "<=", 0.5)
-                add(f"{long_models['model']} 8192 tokens, {variant}: train step time / original", r["train_ms_ratio"], "<=", 0.5)
-            if all("train_peak_mb" in r[variant] for r in rows.values()):
-                slope, _ = _slope({n: r[variant]["train_peak_mb"] for n, r in rows.items()}, 1024, 8192)
-                add(f"{long_models['model']}, {variant}: log-log slope of train-step peak memory", slope, "<=", 1.1)
+                add(f"{long_models['model']} 8192 tokens, {variant}: train step time / original", r.get("train_ms_ratio"), "<=", 0.5)
+            peaks = {n: r[variant]["train_peak_mb"] for n, r in rows.items() if "train_peak_mb" in r[variant]}
+            if len(peaks) >= 2:  # over the lengths whose step was measured (a step that would not fit is skipped)
+                slope, _ = _slope(peaks, 1024, 8192)
+                add(f"{long_models['model']}, {variant}: log-log slope of train-step peak memory, "
+                    f"{min(peaks)}..{max(peaks)} tokens", slope, "<=", 1.1)
         for r in long_models.get("dinov2", []):
             if r["image_size"] >= 1024:
                 add(f"{long_models['dinov2_model']} inference {r['image_size']}px: converted / original time",
@@ -680,8 +734,8 @@ def _print_tables(results: dict, console) -> None:
         for v in LONG_VARIANTS:
             table.add_column(v, justify="right")
         for r in long["rows"]:
-            table.add_row(str(r["tokens"]), *[f"{r[v]['fwd_ms']:.0f} / {r[v]['train_ms']:.0f} (x{r[v]['fwd_ms_ratio']:.2f} "
-                                              f"/ x{r[v]['train_ms_ratio']:.2f})" for v in LONG_VARIANTS])
+            table.add_row(str(r["tokens"]), *[f"{_ms_and_ratio(r[v], 'fwd_ms')} / {_ms_and_ratio(r[v], 'train_ms')}"
+                                              for v in LONG_VARIANTS])
         console.print(table)
         table = Table(title=f"{long['dinov2_model']} inference, positions interpolated, ms")
         for col in ("image", "tokens", "original", "converted", "converted/original"):
@@ -778,9 +832,12 @@ def markdown_tables(results: dict) -> str:
             cells = []
             for v in LONG_VARIANTS:
                 x = r[v]
-                cells += [f"{x['fwd_ms']:.0f} (x{x['fwd_ms_ratio']:.2f})", f"{x['train_ms']:.0f} (x{x['train_ms_ratio']:.2f})",
-                          f"{x['train_peak_mb']:.0f} (x{x['train_peak_mb_ratio']:.2f})" if "train_peak_mb" in x else "-"]
+                cells += [_ms_and_ratio(x, key) for key in ("fwd_ms", "train_ms", "train_peak_mb")]
             lines.append(f"| {r['tokens']} | " + " | ".join(cells) + " |")
+        skipped = [f"{r['tokens']} tokens, {v}: {r[v]['train_skipped']}" for r in long["rows"] for v in LONG_VARIANTS
+                   if "train_skipped" in r[v]]
+        if skipped:
+            lines += ["", "Training steps skipped (they would not fit in memory): " + "; ".join(skipped) + "."]
         lines += ["", f"**{long['dinov2_model']} inference at other resolutions (positions interpolated), batch 1, "
                   f"original vs converted with `{long['method']}`, median ms**", "",
                   "| image | tokens | original | converted | converted / original |", "|---:|---:|---:|---:|---:|"]
