@@ -515,11 +515,13 @@ def bench_long_models(device, repeats: int, warmup: int, quick: bool = False, me
     inputs = {n: (torch.randint(3, config.vocab_size, (1, n), device=device),
                   torch.randint(3, config.vocab_size, (1, n), device=device)) for n in lengths}
     rows = [{"tokens": n, "batch": 1} for n in lengths]
-    for name, local in zip(LONG_VARIANTS, (None, False, True)):
-        model = original
-        if local is not None:
-            model = copy.deepcopy(original)
-            convert(model, method, convert_local_layers=local)
+    models = {"original": original}  # copied before any training step, so every variant has the same weights
+    for name, local in (("converted global", False), ("converted all", True)):
+        models[name] = copy.deepcopy(original)
+        convert(models[name], method, convert_local_layers=local)
+    del original
+    for name in LONG_VARIANTS:
+        model = models.pop(name)
         last_peak: tuple[int, float] | None = None  # (tokens, bytes) of the last measured training step
         for row in rows:
             n, (ids, labels) = row["tokens"], inputs[row["tokens"]]
@@ -551,10 +553,8 @@ def bench_long_models(device, repeats: int, warmup: int, quick: bool = False, me
                 + (f"{x['train_ms']:.0f} ms" if "train_ms" in x else "skipped")
                 + (f", peak {x['train_peak_mb']:.0f} MiB" if "train_peak_mb" in x else "")
                 + f"  ({time.perf_counter() - t0:.0f} s)")
-        if model is not original:
-            del model
+        del model
         gc.collect()
-    del original
     # DINOv2 (ViT-B/14 sizes, random init) at other resolutions: positions interpolated from 518 px.
     if quick:
         dino = transformers.Dinov2Config(image_size=56, patch_size=14, hidden_size=64, num_hidden_layers=2,
