@@ -478,6 +478,38 @@ def _available_memory_bytes(device) -> int | None:
 TRAIN_MEMORY_MARGIN = 1.3
 
 
+def _train_step_would_not_fit(last_peak: tuple[int, float] | None, n: int, device) -> str | None:
+    """Why the training step at ``n`` tokens is skipped, or None: ``last_peak`` (tokens, bytes) scaled to ``n``,
+    with TRAIN_MEMORY_MARGIN, against the free memory (no previous step, or no way to read it: never skipped)."""
+    available = _available_memory_bytes(device) if last_peak else None
+    if available is None:
+        return None
+    need = last_peak[1] * n / last_peak[0]
+    if need * TRAIN_MEMORY_MARGIN <= available:
+        return None
+    return (f"needs about {need / 2**30:.1f} GiB (the {last_peak[0]}-token step's peak, linear in N), "
+            f"{available / 2**30:.1f} GiB free")
+
+
+def _time_train_step(model, batch: dict, clock, repeats: int, warmup: int, device, memory: bool) -> dict:
+    """``train_ms`` (median step time) and, with ``memory``, ``train_peak_mb`` (a fresh optimizer's first step);
+    each optimizer and the gradients are freed before the next, so one model's training state is alive at a time."""
+    import gc
+
+    def release() -> None:
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+
+    step = _train_step(model, batch)
+    cell = {"train_ms": _median_ms(_round_robin({"step": step}, clock, repeats, warmup)["step"])}
+    del step  # its optimizer state
+    release()
+    if memory:
+        cell["train_peak_mb"] = peak_memory({"step": _train_step(model, batch)}, device)["step"] / 2**20
+        release()
+    return cell
+
+
 def bench_long_models(device, repeats: int, warmup: int, quick: bool = False, method: str = "luna",
                       lengths: Sequence[int] | None = None, memory: bool = True, cpu_time: bool = False,
                       log: Callable[[str], None] = print) -> dict:
@@ -528,24 +560,15 @@ def bench_long_models(device, repeats: int, warmup: int, quick: bool = False, me
             t0 = time.perf_counter()
             x = row[name] = {"fwd_ms": _median_ms(_round_robin({name: _inference(model, {"input_ids": ids})}, clock,
                                                                repeats, warmup)[name])}
-            available = _available_memory_bytes(device) if memory else None
-            if last_peak and available is not None and last_peak[1] * n / last_peak[0] * TRAIN_MEMORY_MARGIN > available:
-                need = last_peak[1] * n / last_peak[0]
-                x["train_skipped"] = (f"needs about {need / 2**30:.1f} GiB (the {last_peak[0]}-token step's peak, "
-                                      f"linear in N), {available / 2**30:.1f} GiB free")
-                log(f"ModernBERT {n} tokens, {name}: training step skipped: {x['train_skipped']}")
+            skip = _train_step_would_not_fit(last_peak, n, device) if memory else None
+            if skip:
+                x["train_skipped"] = skip
+                log(f"ModernBERT {n} tokens, {name}: training step skipped: {skip}")
             else:
-                batch = {"input_ids": ids, "labels": labels}
-                step = _train_step(model, batch)
-                x["train_ms"] = _median_ms(_round_robin({name: step}, clock, repeats, warmup)[name])
-                del step  # its optimizer state; the peak below is measured with a fresh one
-                model.zero_grad(set_to_none=True)
-                gc.collect()
+                x.update(_time_train_step(model, {"input_ids": ids, "labels": labels}, clock, repeats, warmup,
+                                          device, memory))
                 if memory:
-                    peak = peak_memory({name: _train_step(model, batch)}, device)[name]
-                    x["train_peak_mb"], last_peak = peak / 2**20, (n, peak)
-                    model.zero_grad(set_to_none=True)
-                    gc.collect()
+                    last_peak = (n, x["train_peak_mb"] * 2**20)
             for key in [k for k in x if k.endswith(("_ms", "_mb"))]:
                 base = row["original"].get(key)
                 x[f"{key}_ratio"] = 1.0 if name == "original" else x[key] / base if base else None
