@@ -232,7 +232,8 @@ def test_feature_map_equals_its_formula(name):
         g = torch.Generator().manual_seed(0)
         layer = LinearAttention(name, HEAD_DIM, HEADS, HEAD_DIM**-0.5, **{"dwc": False, **options}).double()
         randomise(layer, g)
-        q, k = (2 * torch.randn(1, HEADS, TOKENS, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(2))
+        # two sequences: a mixed-up batch and head axis shows (each is [B, H, N, d])
+        q, k = (2 * torch.randn(2, HEADS, TOKENS, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(2))
         phi_k = layer.phi_k or layer.phi_q
         with torch.no_grad():
             got_q, got_k = layer.features(q, k)

@@ -84,12 +84,21 @@ def test_locator_matches_searchsorted():
     knots = torch.cat([torch.randn(300), torch.randn(200) * 100, torch.tensor([float("-inf"), float("inf"), float("inf")])])
     knots = knots.sort().values
     loc = KnotLocator(knots, use_grid=True)
-    assert loc.start is not None  # the grid path, not the fallback
+    assert loc.mapping == "squashed"  # heavy tails and an infinite knot: the grid in x / (1 + |x|)
     u = torch.cat([torch.randn(5000) * 3, torch.randn(1000) * 300, knots[1:-2], torch.tensor([float("inf"), float("-inf")])])
     assert torch.equal(loc(u), torch.searchsorted(knots, u))
+    # knots in a bounded range (the exp init's, moved by training): equal cells from the lowest to the highest
+    bounded = (torch.linspace(-8, 8, 64) + torch.rand(64) * 0.2).sort().values
+    loc = KnotLocator(bounded, use_grid=True)
+    assert loc.mapping == "linear"
+    edges = torch.cat([bounded, bounded.nextafter(torch.tensor(-1e9)), bounded.nextafter(torch.tensor(1e9))])
+    v = torch.cat([u, edges, torch.tensor([float("nan"), -9.0, 9.0])])
+    expected = torch.searchsorted(bounded, v)
+    expected[-3] = 0  # NaN: the first interval (searchsorted puts it past every knot)
+    assert torch.equal(loc(v), expected)
     crowded = torch.zeros(64)  # every knot in one cell: falls back to searchsorted
     loc = KnotLocator(crowded, use_grid=True)
-    assert loc.start is None
+    assert loc.mapping == "searchsorted"
     assert torch.equal(loc(u), torch.searchsorted(crowded, u))
 
 

@@ -274,7 +274,11 @@ class LunaFeatureMap(FeatureMap):
         """u = W x + b: [B, H, N, d] -> [B, H, N, M]."""
         if self.proj is not None:
             return self.proj(x)
-        return torch.matmul(x, self.head_proj_weight) + self.head_proj_bias
+        b, h, n, d = x.shape
+        # Head-major, one baddbmm (bias fused): [H, B*N, d] is a view of the heads split from [B, N, H*d],
+        # and for B = 1 the result is contiguous as it stands (4-D matmul copies x and W, then adds b).
+        u = torch.baddbmm(self.head_proj_bias, x.transpose(0, 1).reshape(h, b * n, d), self.head_proj_weight)
+        return u.view(h, b, n, -1).transpose(0, 1)
 
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
         return self.each(x)[0]

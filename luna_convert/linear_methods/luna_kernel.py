@@ -118,11 +118,11 @@ def piecewise_table(psi, dtype: torch.dtype = torch.float64, scale: float = 1.0)
     return knots, torch.cat([base[None], base + torch.cumsum(steps, 0)], 0) * scale
 
 
-def _grid_cell(x: torch.Tensor, cells: int) -> torch.Tensor:
-    """A monotone non-decreasing map of floats to cells 0..cells-1 (NaN -> 0).
+def _squashed_cell(x: torch.Tensor, cells: int) -> torch.Tensor:
+    """A monotone non-decreasing map of floats to cells 0..cells-1 (NaN -> 0) over the whole real line.
 
     x / (1 + |x|) squeezes the real line into (-1, 1), so heavy-tailed knot
-    sets (t = -b1/w1 is a ratio of two random numbers) still spread over the
+    sets (t = -b1/w1 of a random init is a ratio of two random numbers) still spread over the
     cells. Knots and inputs go through the very same float ops, so a knot in
     a lower cell than u is always below u, whatever the rounding.
     """
@@ -132,35 +132,51 @@ def _grid_cell(x: torch.Tensor, cells: int) -> torch.Tensor:
     return v.to(torch.int32)
 
 
+def _linear_cell(x: torch.Tensor, low: float, scale: float, cells: int) -> torch.Tensor:
+    """Equal cells from ``low`` on, (x - low) * scale clamped to 0..cells-1 (NaN -> 0): monotone as the
+    squashed map, in 5 operator calls instead of 9, for knots that lie in a bounded range (the exp init's
+    evenly spaced knots and what training makes of them)."""
+    return (x - low).mul_(scale).clamp_(0, cells - 1).nan_to_num_(0.0).to(torch.int32)
+
+
 class KnotLocator:
     """``searchsorted(knots, u)`` (number of knots < u) for a fixed sorted knot vector.
 
     On the CPU ``torch.searchsorted`` costs ~50 ns a scalar; a grid of cells
     does it in a few vectorised passes: index = (knots in lower cells) +
     (knots in u's cell below u), with at most ``MAX_KNOTS_PER_CELL``
-    comparisons. Falls back to searchsorted when knots crowd one cell
-    (e.g. many identical knots).
+    comparisons. The cells are equal from the lowest knot to the highest where that
+    spreads the knots well enough, else equal in x / (1 + |x|). Falls back to
+    searchsorted when knots crowd one cell of both (e.g. many identical knots).
     """
 
     def __init__(self, knots: torch.Tensor, use_grid: bool):
-        self.knots, self.start, self.kpad = knots, None, []
+        self.knots, self.start, self.kpad, self.mapping = knots, None, [], "searchsorted"
         if not use_grid:
             return
         # Knots at +inf (constant units) are never below any u: leave them out.
         kf = knots[knots != float("inf")]
         if kf.numel() == 0:
             self.cells, self.start = 1, torch.zeros(1, dtype=torch.int32, device=knots.device)
+            self.cell_of, self.mapping = (lambda u: _linear_cell(u, 0.0, 0.0, 1)), "linear"
             return
-        cells = max(1024, 1 << math.ceil(math.log2(8 * kf.numel())))
-        while True:
-            cell = _grid_cell(kf, cells)
-            counts = torch.bincount(cell, minlength=cells)
-            most = int(counts.max())
+        low, high = float(kf[0]), float(kf[-1])
+        maps = {} if not math.isfinite(high - low) or high == low else {
+            "linear": lambda x, cells: _linear_cell(x, low, cells / (high - low), cells)}
+        maps["squashed"] = _squashed_cell
+        for mapping, cell_of in maps.items():
+            cells = max(1024, 1 << math.ceil(math.log2(8 * kf.numel())))
+            while True:
+                cell = cell_of(kf, cells)
+                counts = torch.bincount(cell, minlength=cells)
+                most = int(counts.max())
+                if most <= MAX_KNOTS_PER_CELL or cells * 8 > MAX_CELLS:
+                    break
+                cells *= 8
             if most <= MAX_KNOTS_PER_CELL:
                 break
-            if cells * 8 > MAX_CELLS:
-                return  # crowded: searchsorted
-            cells *= 8
+        else:
+            return  # crowded: searchsorted
         first = torch.cumsum(counts, 0) - counts
         order = torch.argsort(cell, stable=True)
         sorted_cell = cell[order]
@@ -169,12 +185,13 @@ class KnotLocator:
         kpad[slot, sorted_cell] = kf[order]
         # int32: index_select takes it as fast as int64 and it halves the index's memory.
         self.cells, self.start, self.kpad = cells, first.to(torch.int32), list(kpad.unbind(0))
+        self.cell_of, self.mapping = (lambda u: cell_of(u, cells)), mapping
 
     def __call__(self, u: torch.Tensor) -> torch.Tensor:
         """int32 interval index of every element of the 1-D tensor u."""
         if self.start is None:
             return torch.searchsorted(self.knots, u, out_int32=True)
-        cell = _grid_cell(u, self.cells)
+        cell = self.cell_of(u)
         index = self.start.index_select(0, cell)
         # At most MAX_KNOTS_PER_CELL passes, whatever the sizes; one gather of 1-D rows each
         # (2x faster than gathering [cells, most] rows at once, CPU, measured).
