@@ -10,7 +10,8 @@ import torch
 
 from luna_convert.layers.attention import LinearAttention
 from luna_convert.linear_methods.luna import PAPER_OPTIONS, LunaFeatureMap, ScalarChannels
-from luna_convert.linear_methods.luna_kernel import KnotLocator, channel_tables, scalar_channels
+from luna_convert.ops.normalize import sum_normalize
+from luna_convert.linear_methods.luna_kernel import KnotLocator, channel_tables, gather_rows, row_source, scalar_channels
 from luna_convert.ops import dwc, streamed
 from luna_convert.ops.linear import linear_attention, linear_attention_core
 from luna_convert.ops.reference import linear_attention_weights
@@ -79,6 +80,21 @@ def test_inputs_outside_and_on_the_knots():
     torch.testing.assert_close(scalar_channels(u, psi), psi(u), rtol=5e-6, atol=5e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("channels", [1, 2, 3])
+def test_gather_rows_is_index_select(channels, dtype):
+    """Rows of 4 or 8 bytes are gathered as one integer each: the same bits, NaN and -0.0 included."""
+    table = torch.randn(17, channels, dtype=dtype)
+    table[3, 0], table[5, -1] = float("nan"), -0.0
+    for index in (torch.randint(0, 17, (500,)), torch.randint(0, 17, (500,), dtype=torch.int32)):
+        got, want = gather_rows(row_source(table), index, dtype).view(-1, channels), table.index_select(0, index)
+        assert got.dtype == dtype and got.shape == want.shape
+        assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
+    strided = torch.randn(17, 2 * channels, dtype=dtype)[:, ::2]  # not contiguous: plain index_select
+    assert row_source(strided).shape == strided.shape
+    assert torch.equal(gather_rows(strided, index, dtype), strided.index_select(0, index))
+
+
 def test_locator_matches_searchsorted():
     torch.manual_seed(0)
     knots = torch.cat([torch.randn(300), torch.randn(200) * 100, torch.tensor([float("-inf"), float("inf"), float("inf")])])
@@ -100,6 +116,25 @@ def test_locator_matches_searchsorted():
     loc = KnotLocator(crowded, use_grid=True)
     assert loc.mapping == "searchsorted"
     assert torch.equal(loc(u), torch.searchsorted(crowded, u))
+
+
+@pytest.mark.parametrize("dim", [-2, -1])
+def test_sum_normalize_matches_autograd_of_its_formula(dim):
+    """Values and gradients of ``ops.normalize.sum_normalize`` against x / (x.sum(dim) + eps) in plain
+    autograd (float64), with a row of zeros (a channel zero on every projection) among them."""
+    torch.manual_seed(0)
+    x = torch.rand(2, 3, 5, 4, dtype=torch.float64)
+    x[0, 1, 2].zero_()
+    x[1, 0, :, 1] = 0.0
+    grad = torch.randn_like(x)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    got, want = sum_normalize(xs[0], dim, 1e-6), xs[1] / (xs[1].sum(dim, keepdim=True) + 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=0)  # measured: one rounding (x * r vs x / s)
+    got.backward(grad), want.backward(grad)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-12, atol=1e-12)
+    # finite differences: away from the zero rows, where a step of 1e-6 is the size of eps
+    positive = (torch.rand(2, 3, 5, 4, dtype=torch.float64) + 0.1).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: sum_normalize(t, dim, 1e-6), (positive,))
 
 
 def test_low_precision_and_autocast():

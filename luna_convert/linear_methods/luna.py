@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.context import AttentionContext
+from ..ops.normalize import sum_normalize
 from .base import AttentionOptions, FeatureMap, Method, check_choice, check_positive_int, option
 from .luna_kernel import scalar_channels_of
 from .registry import register
@@ -301,7 +302,7 @@ class LunaFeatureMap(FeatureMap):
             # Each channel's features sum to 1 over the projections (per token): with exp channels
             # exp(+-u) and W = I this is Hedgehog's pair of softmaxes; for keys it stops a key's
             # overall size from deciding its weight (for queries it cancels in the normalisation).
-            feats = feats / (feats.sum(-2, keepdim=True) + FEATURE_NORM_EPS)
+            feats = sum_normalize(feats, -2, FEATURE_NORM_EPS)
         return feats.flatten(-2)
 
 

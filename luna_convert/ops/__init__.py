@@ -6,6 +6,7 @@
     linear     kernel linear attention phi(q) S / (phi(q) z + eps) with a hand-written backward
     streamed   the same, streamed over chunks of tokens for long CPU inputs
     dwc        depthwise convolution over tokens in the [..., tokens, C] layout
+    normalize  x / (sum of x along a dim + eps) with a hand-written backward
 
 Shapes: q, k, v are [B, H, N, d]; features phi(q), phi(k) are [B, H, N, D];
 ``key_mask`` is a bool [B, N] with True for real tokens (None: all real).
