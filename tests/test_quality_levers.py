@@ -485,3 +485,61 @@ def test_separate_key_map_gives_keys_their_own_parameters(tmp_path):
     assert linear_attention_modules(loaded)[0].phi_k is not None
     with torch.no_grad():
         assert torch.equal(logits_of(loaded, inputs), logits_of(model, inputs))
+
+
+# ----------------------------------------------------------------- the teacher's logits in finetuning
+def _tiny_classifier(seed: int):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16, num_labels=3,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(config)
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.3, 1.0])
+def test_finetune_loss_is_the_weighted_task_loss_and_kl_to_the_frozen_teacher(weight):
+    """train.teacher_kd: (1 - w) cross-entropy + w KL(teacher || model), written out over the classes in float64."""
+    from accelerate import Accelerator
+    from luna_convert.engine.training import finetune
+    from luna_convert.run.pipeline import frozen_copy
+
+    student, teacher = _tiny_classifier(0), _tiny_classifier(1)
+    with torch.no_grad():  # a freshly initialised head gives near-uniform classes: make the teacher decided
+        teacher.classifier.weight.mul_(100)
+    teacher = frozen_copy(teacher)
+    teacher_state = {k: v.clone() for k, v in teacher.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 50, (4, 6), generator=g), "attention_mask": torch.ones(4, 6, dtype=torch.long),
+             "labels": torch.tensor([0, 2, 1, 2])}
+    batch["attention_mask"][1, 4:] = 0
+    with torch.no_grad():
+        s = torch.log_softmax(student(**{k: v for k, v in batch.items() if k != "labels"}).logits.double(), -1)
+        t = torch.log_softmax(teacher(**{k: v for k, v in batch.items() if k != "labels"}).logits.double(), -1)
+    ce = -s[torch.arange(4), batch["labels"]].mean()
+    kl = (t.exp() * (t - s)).sum(-1).mean()
+    want = (1 - weight) * ce + weight * kl
+    logged = []
+    finetune(Accelerator(cpu=True), student, [batch], steps=1, lr=1e-3, teacher=teacher, teacher_weight=weight,
+             log=logged.append)
+    assert logged[0]["loss"] == pytest.approx(want.item(), rel=1e-5)
+    assert kl.item() > 0.01 and abs(ce.item() - kl.item()) > 0.01  # the weights are told apart
+    # the teacher neither trains nor changes
+    assert all(torch.equal(v, teacher_state[k]) for k, v in teacher.state_dict().items())
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+
+
+def test_run_with_teacher_kd_records_it_and_refuses_bad_weights(tiny_case, tmp_path):
+    from luna_convert.errors import LunaConvertError
+
+    model_dir, data_dir = tiny_case
+    results = run_conversion(config_for(model_dir, data_dir, "sst2", "hedgehog", tmp_path / "kd", teacher_kd=0.5))
+    assert results["config"]["train"]["teacher_kd"] == 0.5 and results["steps"]["finetune"] == 3
+    log = [json.loads(line) for line in (Path(results["run_dir"]) / "train_log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log if e["stage"] == "finetune"] == [1, 2, 3]
+    for bad, message in ((-0.1, "must be a weight in"), (1.5, "must be a weight in"), ("half", "must be a number")):
+        with pytest.raises(LunaConvertError, match=f"train.teacher_kd {message}"):
+            config_for(model_dir, data_dir, "sst2", "hedgehog", tmp_path / "bad", teacher_kd=bad).validate()
+    with pytest.raises(LunaConvertError, match="teacher_kd does not fit --task embedding"):
+        config_for(model_dir, data_dir, "embedding", "hedgehog", tmp_path / "emb", teacher_kd=0.5).validate()

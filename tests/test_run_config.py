@@ -25,7 +25,7 @@ DEFAULTS_BEFORE = {
               "epochs": 3.0, "max_steps": None, "batch_size": 32, "eval_batch_size": 64, "grad_accum": 1,
               "max_length": 128, "image_size": None, "mixed_precision": "no", "checkpoint_every": 0,
               "max_grad_norm": 1.0, "augment": True, "max_train_examples": None, "max_eval_examples": None,
-              "score_stages": True, "embedding_loss": "cosine"},
+              "score_stages": True, "embedding_loss": "cosine", "teacher_kd": 0.0},
     "lora": {"rank": 0, "alpha": None, "dropout": 0.0},
     "distill": {"steps": None, "default_steps": 300, "lr": 1e-2, "target": "attention", "batch_size": None},
 }

@@ -90,6 +90,14 @@ def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 EMBEDDING_LOSSES = ("cosine", "mse")
 
 
+def teacher_kl(teacher: nn.Module, batch: dict, logits: torch.Tensor, over_positions: bool = False) -> torch.Tensor:
+    """KL(teacher || model) of one batch (the squared error for one output), the frozen ``teacher`` run
+    without gradients; ``logits`` are the model's own for ``batch``. Padded tokens are left out."""
+    with torch.no_grad():
+        target = forward_logits(teacher, batch)
+    return logits_distillation_loss(target, logits, batch.get("attention_mask"), over_positions=over_positions)
+
+
 def embedding_loss(embeddings: torch.Tensor, targets: torch.Tensor, kind: str = "cosine") -> torch.Tensor:
     """How far sentence embeddings [B, D] are from the teacher's [B, D]: the mean of 1 - cosine similarity
     ("cosine": the direction only, what similarity search reads) or the mean squared error ("mse")."""
@@ -408,9 +416,13 @@ def finetune(
     checkpoint_every: int = 0, start_step: int = 0, log: Callable[[dict], None] | None = None,
     stage: str = "finetune", added_lr: float | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    teacher: nn.Module | None = None, teacher_weight: float = 0.0, span_logits: bool = False,
 ) -> tuple[nn.Module, StageResult]:
     """Train every parameter on the task loss (``loss_fn(outputs, labels)``, default :func:`task_loss`) for
     ``steps`` optimizer updates.
+
+    ``teacher`` (frozen, e.g. the model before conversion) with ``teacher_weight`` w: the loss is
+    (1 - w) task loss + w :func:`teacher_kl` (``span_logits``: QA's rows over positions).
 
     ``added_lr`` is the learning rate of what conversion added (feature maps, DWC
     branch): freshly initialised modules barely move at a pretrained model's small
@@ -438,7 +450,11 @@ def finetune(
             for batch in _batches(loader, accelerator, skip, epoch):
                 with accelerator.accumulate(model):
                     with accelerator.autocast():
-                        loss = loss_fn(forward_logits(model, batch), batch["labels"])
+                        logits = forward_logits(model, batch)
+                        loss = loss_fn(logits, batch["labels"])
+                        if teacher is not None and teacher_weight:
+                            kl = teacher_kl(teacher, batch, logits, over_positions=span_logits)
+                            loss = (1 - teacher_weight) * loss + teacher_weight * kl
                     _check_finite(loss, stage, step, accelerator, steps, run_dir)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients and max_grad_norm:

@@ -60,6 +60,9 @@ class TrainSettings:
     score_stages: bool = True  # also score right after conversion and after distillation
     # the embedding task's loss against the teacher's embeddings: cosine (1 - cosine similarity) | mse
     embedding_loss: str = "cosine"
+    # Weight w of the original (unconverted) model's logits in the finetuning loss:
+    # (1 - w) task loss + w KL(teacher || model), the teacher frozen (RADLADS-style). 0: labels only.
+    teacher_kd: float = 0.0
 
 
 @dataclass
@@ -177,6 +180,9 @@ class RunConfig:
             raise LunaConvertError("distill.target=logits does not fit --task embedding (a sentence encoder has no "
                                    "logits; its finetuning already matches the teacher's embeddings): use "
                                    "--set distill.target=attention or output")
+        if self.task and get_task(self.task).is_embedding_level and self.train.teacher_kd:
+            raise LunaConvertError("train.teacher_kd does not fit --task embedding (its finetuning already matches "
+                                   "the teacher's embeddings): use --set train.teacher_kd=0")
         control = self.method == CONTROL_METHOD
         if not control:
             get_method(self.method)
@@ -234,6 +240,8 @@ class RunConfig:
             ("train.image_size", t.image_size, t.image_size is None or _is_int(t.image_size) and t.image_size >= 1,
              "a positive integer or null (the model's size)"),
             ("train.schedule", t.schedule, t.schedule in ("linear", "cosine", "constant"), "linear, cosine or constant"),
+            ("train.teacher_kd", t.teacher_kd, _is_number(t.teacher_kd) and 0 <= t.teacher_kd <= 1,
+             "a weight in [0, 1] (0: labels only)"),
             ("train.embedding_loss", t.embedding_loss, t.embedding_loss in EMBEDDING_LOSSES,
              " or ".join(EMBEDDING_LOSSES)),
             ("distill.steps", d.steps, d.steps is None or _is_int(d.steps) and d.steps >= 0,

@@ -36,6 +36,15 @@ from .task_data import TaskData, steps_for
 
 
 # --------------------------------------------------------------------- set-up
+def frozen_copy(model):
+    """A copy of ``model`` that never trains: eval mode (no dropout), no gradients."""
+    import copy
+
+    teacher = copy.deepcopy(model).eval()
+    teacher.requires_grad_(False)
+    return teacher
+
+
 def make_accelerator(config: RunConfig):
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
@@ -228,6 +237,8 @@ def run_conversion(config: RunConfig | None, resume: str | Path | None = None, c
     accelerator.wait_for_everyone()
     say(f"{'resuming' if resume is not None else 'run folder'} {run_dir}", soft_wrap=True)
     model = loaded.model.to(accelerator.device)
+    # The frozen original for train.teacher_kd: copied before anything converts or trains the model.
+    kd_teacher = frozen_copy(model) if config.train.teacher_kd else None
 
     # 1. The original score (kept across resumes: it never changes).
     teacher_file = run_dir / TEACHER_FILE
@@ -320,7 +331,9 @@ def run_conversion(config: RunConfig | None, resume: str | Path | None = None, c
                             run_dir=run_dir, checkpoint_every=t.checkpoint_every, start_step=start, log=log,
                             added_lr=t.added_lr,
                             loss_fn=partial(embedding_loss, kind=t.embedding_loss) if task.is_embedding_level
-                            else None)
+                            else None,
+                            teacher=kd_teacher, teacher_weight=t.teacher_kd, span_logits=task.is_span_level)
+    del kd_teacher
     timings["finetune_s"] = stage.seconds
 
     # 5. The converted score, 6. save.
