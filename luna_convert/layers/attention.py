@@ -18,8 +18,9 @@ from ..ops.context import AttentionContext
 from ..ops.dwc import depthwise_conv_tokens
 from ..ops.linear import linear_attention
 from ..ops.reference import (attention_distillation_loss, linear_attention_weights, output_distillation_loss,
-                             softmax_attention, softmax_attention_weights)
+                             softmax_attention, softmax_attention_weights, windowed_linear_attention_weights)
 from ..ops.streamed import streamed_linear_attention
+from ..ops.windowed import windowed_linear_attention
 
 
 class DepthwiseConvBranch(nn.Module):
@@ -68,6 +69,10 @@ class LinearAttention(nn.Module):
     share one map: a shared map is stored once, so checkpoints hold no duplicated tensors);
     kernel methods keep theirs as ``kernel``.
 
+    ``window`` > 0 (feature-map methods): exact softmax over the keys with |i - j| <= window of each
+    query and gamma_h x linear attention over the other real keys, one normalisation
+    (``ops.windowed``); gamma_h = sigmoid(``window_mix``), learned per head from 0.5.
+
     ``distill`` switches on attention distillation: the layer then returns
     the softmax output (so every layer sees the teacher's activations) and
     keeps ``distill_loss``, the cross-entropy between softmax and linear
@@ -89,6 +94,10 @@ class LinearAttention(nn.Module):
             self.phi_q = self.phi_k = None
             self.kernel = spec.core(head_dim, num_heads, options)
         self.dwc = DepthwiseConvBranch(head_dim, options.dwc_kernel, spatial) if options.dwc else None
+        self.window = options.window
+        # Per-head logit of gamma, the weight of the linear part beyond the window: 0 gives gamma = 1/2,
+        # the two parts on an equal footing at conversion; a method parameter, so distillation trains it.
+        self.window_mix = nn.Parameter(torch.zeros(num_heads)) if self.window else None
         self.spatial = spatial
         self.distill = False
         # What distillation matches: "attention" (each linear attention row against the softmax row,
@@ -121,8 +130,10 @@ class LinearAttention(nn.Module):
         return (self.dwc is not None and self.dwc.spatial) or (self.spatial and core.reads_prefix)
 
     def method_parameters(self) -> list[nn.Parameter]:
-        """What the method added (feature maps or kernel), DWC excluded: what distillation trains."""
-        return [p for m in (self.phi_q, self.phi_k, self.kernel) if m is not None for p in m.parameters()]
+        """What the method added (feature maps or kernel, the window's mixing factors), DWC excluded: what
+        distillation trains."""
+        params = [p for m in (self.phi_q, self.phi_k, self.kernel) if m is not None for p in m.parameters()]
+        return params if self.window_mix is None else [*params, self.window_mix]
 
     def learning_rate_scales(self) -> dict[int, float]:
         """id(parameter) -> learning-rate factor, for the method's parameters that train at another rate."""
@@ -190,6 +201,9 @@ class LinearAttention(nn.Module):
         """The method's attention alone (no DWC branch): [B, H, N, d]."""
         if self.kernel is not None:
             out = self.kernel(q, k, v, key_mask, context)
+        elif self.window:  # never streamed: the op needs q and k beside the features, and is linear in N as it is
+            out = windowed_linear_attention(q, k, v, *self.features(q, k, context), self.window_gamma(),
+                                            self.window, self.softmax_scale, key_mask, self.eps, self.clamp_denominator)
         else:
             params = self.method_parameters()
             needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params))
@@ -208,4 +222,12 @@ class LinearAttention(nn.Module):
             context = AttentionContext(key_mask, q.shape[2])
         if self.kernel is not None:
             return self.kernel.weights(q, k, key_mask, context)
+        if self.window:
+            return windowed_linear_attention_weights(q, k, *self.features(q, k, context), self.window_gamma(),
+                                                     self.window, self.softmax_scale, key_mask, self.eps,
+                                                     self.clamp_denominator)
         return linear_attention_weights(*self.features(q, k, context), key_mask, self.eps, self.clamp_denominator)
+
+    def window_gamma(self) -> torch.Tensor:
+        """gamma_h = sigmoid(window_mix_h), [H]: the weight of the linear part beyond the window."""
+        return torch.sigmoid(self.window_mix)

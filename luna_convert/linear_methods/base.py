@@ -80,6 +80,8 @@ class AttentionOptions:
     dwc: bool = option(False, "add a depthwise-convolution branch on V (FLatten-style; zero-initialised)")
     dwc_kernel: int = option(3, "kernel size of the DWC branch (odd; k x k on the ViT patch grid)")
     eps: float = option(1e-6, "added to the linear-attention denominator")
+    window: int = option(0, "w > 0: exact softmax over keys with |i - j| <= w, learned per-head gamma x linear "
+                            "attention beyond (feature-map methods; cost O(N w D)); 0: off")
 
     def __post_init__(self):
         if isinstance(self.dwc_kernel, bool) or not isinstance(self.dwc_kernel, int) or self.dwc_kernel < 1 \
@@ -88,6 +90,7 @@ class AttentionOptions:
             raise ValueError(f"dwc_kernel must be a positive odd integer, got {self.dwc_kernel!r}")
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not self.eps > 0:
             raise ValueError(f"eps must be a positive number, got {self.eps!r}")
+        check_int(self, "window", non_negative=True)
 
     # Values for options a folder saved by an older version lacks, where they differ from today's
     # defaults (a method whose defaults changed lists the old ones here, so old models rebuild as saved).
@@ -225,4 +228,9 @@ class Method:
 
     def make_options(self, **given) -> AttentionOptions:
         """The options object (defaults filled in, validated); ValueError / TypeError on a bad value or name."""
-        return self.options(**given)
+        options = self.options(**given)
+        if options.window and self.kind != FEATURE_MAP_KIND:
+            # the window's complement is subtracted as phi(q) . phi(k) terms, which a kernel method does not have
+            raise ValueError(f"window must be 0 for {self.name!r}: only feature-map methods support a sliding "
+                             f"window, and {self.name!r} is a {self.kind} method")
+        return options

@@ -1,10 +1,12 @@
 """Tensor math that knows no method and no model.
 
     dtypes     the accumulation dtype rule (fp32 for half precision, float64 stays float64)
-    reference  explicit N x N forms: linear-attention weights (the test reference and the
-               distillation student), masked softmax attention (the teacher), the distillation loss
+    reference  explicit N x N forms: linear-attention weights and their sliding-window hybrid (the test
+               references and the distillation student), masked softmax attention (the teacher), the
+               distillation loss
     linear     kernel linear attention phi(q) S / (phi(q) z + eps) with a hand-written backward
     streamed   the same, streamed over chunks of tokens for long CPU inputs
+    windowed   sliding-window softmax + linear attention in one layer (the ``window`` option), block-banded
     dwc        depthwise convolution over tokens in the [..., tokens, C] layout
     normalize  x / (sum of x along a dim + eps) with a hand-written backward
 

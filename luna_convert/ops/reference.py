@@ -29,6 +29,33 @@ def linear_attention_weights(
     return scores / (den.clamp_min(eps) if clamp else den + eps)
 
 
+def windowed_linear_attention_weights(
+    q: torch.Tensor, k: torch.Tensor, phi_q: torch.Tensor, phi_k: torch.Tensor, gamma: torch.Tensor, window: int,
+    scale: float, key_mask: torch.Tensor | None = None, eps: float = EPS, clamp: bool = False,
+) -> torch.Tensor:
+    """Explicit sliding-window softmax + linear attention, a_ij / (sum_m a_im + eps), in fp32 (float64 for
+    float64). [B, H, N, N]
+
+    s_ij = scale q_i . k_j; W(i) = {j real : |i - j| <= window}; c_i = max over W(i) of s_ij (0 if empty);
+    a_ij = exp(s_ij - c_i) in W(i), gamma_h phi(q_i) . phi(k_j) for the other real keys, 0 for pads.
+    ``gamma``: [H]. ``clamp``: the row sum is clamped at eps instead (signed features)."""
+    compute = accumulation_dtype(q, k, phi_q, phi_k)
+    n = q.shape[2]
+    scores = torch.einsum("bhnd,bhmd->bhnm", q.to(compute), k.to(compute)) * scale
+    kernel = torch.einsum("bhnf,bhmf->bhnm", phi_q.to(compute), phi_k.to(compute))
+    position = torch.arange(n, device=q.device)
+    real = torch.ones(q.shape[0], n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask.bool()
+    real = real[:, None, None, :]
+    in_window = ((position[:, None] - position[None, :]).abs() <= window) & real  # [B, 1, N, N]
+    scores = scores.masked_fill(~in_window, float("-inf"))  # exp of the rest is never taken: no inf * 0 in gradients
+    row_max = scores.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    far = gamma.to(compute)[:, None, None] * kernel * real
+    weights = torch.where(in_window, torch.exp(scores - row_max), far)
+    den = weights.sum(-1, keepdim=True)
+    return weights / (den.clamp_min(eps) if clamp else den + eps)
+
+
 def softmax_attention_weights(
     q: torch.Tensor, k: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
