@@ -164,6 +164,26 @@ def test_compare_refuses_an_unknown_method_before_running(tiny_case, tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+def test_compare_gives_shared_layer_options_to_every_method_and_method_options_to_their_own(tiny_case, tmp_path):
+    from luna_convert.errors import LunaConvertError
+    from luna_convert.run.compare import options_for, run_compare
+
+    model_dir, data_dir = tiny_case
+    config = config_for(model_dir, data_dir, "sst2", "luna", tmp_path / "out")
+    config.method_options = {"window": 2, "projections": 4, "convert_local_layers": True}
+    assert options_for(config, "luna") == config.method_options
+    assert options_for(config, "hedgehog") == {"window": 2, "convert_local_layers": True}
+    assert options_for(config, "softmax") == {}
+    config.method_options = {"window": 2}
+    summary = run_compare(config, ["hedgehog"], [0], tmp_path / "cmp", control=False)
+    meta = json.loads((tmp_path / "cmp" / "hedgehog-seed0" / "model" / "linear_attention.json").read_text())
+    assert meta["conversion"]["options"]["window"] == 2 and summary["rows"][0]["final"]["n"] == 1
+    # A method that refuses a shared option fails before any run starts.
+    with pytest.raises(LunaConvertError, match="window must be 0 for 'sorting'"):
+        run_compare(config, ["hedgehog", "sorting"], [0], tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+
 def test_output_distillation_matches_the_softmax_output_and_trains_the_map():
     """distill.target "output": the layer returns softmax's output, and its loss is the relative squared
     error of its own linear output against it, over real query rows only."""

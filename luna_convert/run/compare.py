@@ -13,15 +13,21 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from ..errors import LunaConvertError
 from ..fileio import atomic_write_json, atomic_write_text
 from ..folder_layout import COMPARE_FILE, PLOT_FILE, RESULTS_FILE, TABLE_FILE
-from .config import CONTROL_METHOD, RunConfig
+from ..conversion import resolve_options
+from .config import CONTROL_METHOD, CONVERT_KEYWORD_OPTIONS, RunConfig
 from .pipeline import run_conversion
+from ..linear_methods.base import AttentionOptions
 from ..linear_methods.registry import get_method
+
+# Options every method takes (the layer's own: dwc, eps, window, ...; and convert's keywords): a compare
+# gives them to every method, the rest of method_options only to the configured method.
+SHARED_OPTIONS = frozenset(f.name for f in fields(AttentionOptions)) | frozenset(CONVERT_KEYWORD_OPTIONS)
 
 STAGES = ("after_conversion", "after_distillation", "final")
 
@@ -30,12 +36,25 @@ def run_dir_for(folder: Path, method: str, seed: int) -> Path:
     return folder / f"{method}-seed{seed}"
 
 
+def options_for(config: RunConfig, method: str) -> dict:
+    """The method options of ``method``'s run: all of ``config.method_options`` for the configured method,
+    only the shared ones (``SHARED_OPTIONS``) for another method, none for the softmax control."""
+    if method == CONTROL_METHOD:
+        return {}
+    if method == config.method:
+        return copy.deepcopy(config.method_options)
+    return {k: copy.deepcopy(v) for k, v in config.method_options.items() if k in SHARED_OPTIONS}
+
+
 def run_compare(config: RunConfig, methods: list[str], seeds: list[int], folder: Path, control: bool = True,
                 console=None) -> dict:
     """Run every method (and the control) for every seed into ``folder``; returns compare.json's content."""
 
     for method in methods:
         get_method(method)  # an unknown name fails before any run starts
+        # so does an option the method refuses (e.g. a window for a kernel method)
+        resolve_options(method, {k: v for k, v in options_for(config, method).items()
+                                 if k not in CONVERT_KEYWORD_OPTIONS})
     if not seeds:
         raise LunaConvertError("compare needs at least one seed (--seeds 0,1,2)")
     say = console.print if console is not None else (lambda *a, **k: None)
@@ -50,8 +69,11 @@ def run_compare(config: RunConfig, methods: list[str], seeds: list[int], folder:
             else:
                 # a copy: each run fills in its own settings (the method's recipe, own-data choices)
                 cfg = replace(copy.deepcopy(config), method=method, seed=seed, run_dir=str(run_dir), overwrite=True)
-                if method != config.method:
-                    cfg.method_options = {}  # options are per method; --set method_options... is for --methods X
+                cfg.method_options = options_for(config, method)
+                dropped = sorted(set(config.method_options) - set(cfg.method_options))
+                if dropped and method != CONTROL_METHOD:
+                    say(f"{method}: method_options {', '.join(dropped)} are {config.method}'s own, not given to "
+                        f"{method} (set them with --methods {config.method} alone)")
                 if method == CONTROL_METHOD:
                     cfg.keep_softmax_layers = []  # the control converts nothing
                 say(f"[bold]{method}[/] seed {seed} -> {run_dir}")
