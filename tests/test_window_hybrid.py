@@ -53,7 +53,7 @@ def explicit_hybrid(layer: LinearAttention, q, k, v, key_mask):
     """The formula entry by entry, in plain Python loops over batch, head, query and key (independent of
     the library's tensor code): (normalised weights [B, H, N, N], outputs [B, H, N, d])."""
     phi_q, phi_k = layer.features(q, k, AttentionContext(key_mask, N))
-    gamma = torch.sigmoid(layer.window_mix)
+    gamma = layer.window_gamma()
     b_size, heads, n, _ = q.shape
     weights = torch.zeros(b_size, heads, n, n, dtype=torch.float64)
     for b in range(b_size):
@@ -95,7 +95,7 @@ def test_the_window_edge_is_exact_softmax_and_one_step_beyond_is_linear(window):
         phi_q, phi_k = layer.features(q, k, context)
         scores = layer.softmax_scale * q @ k.transpose(-1, -2)
         kernel = phi_q @ phi_k.transpose(-1, -2)
-        gamma = torch.sigmoid(layer.window_mix)
+        gamma = layer.window_gamma()
         reference = layer.attention_weights(q, k, None, context)
         fast = windowed_linear_attention(q, k, eye, phi_q, phi_k, gamma, window, layer.softmax_scale, None, layer.eps)
     i = N // 2
@@ -160,11 +160,11 @@ def test_half_precision_accumulates_in_float32(name):
         want = layer.attention_weights(q, k, key_mask, context).double() @ v.double()
         half = [t.bfloat16() for t in (q, k, v)]
         phi_q, phi_k = (f.bfloat16() for f in layer.features(q, k, context))  # as autocast would hand them over
-        got = windowed_linear_attention(*half, phi_q, phi_k, torch.sigmoid(layer.window_mix), 2, layer.softmax_scale,
+        got = windowed_linear_attention(*half, phi_q, phi_k, layer.window_gamma(), 2, layer.softmax_scale,
                                         key_mask, layer.eps, layer.clamp_denominator)
     assert got.dtype == torch.bfloat16
     # the sums ran in float32: the same as the float32 op on the same (rounded) inputs, rounded once at the end
-    upcast = windowed_linear_attention(*(t.float() for t in (*half, phi_q, phi_k)), torch.sigmoid(layer.window_mix), 2,
+    upcast = windowed_linear_attention(*(t.float() for t in (*half, phi_q, phi_k)), layer.window_gamma(), 2,
                                        layer.softmax_scale, key_mask, layer.eps, layer.clamp_denominator)
     assert torch.equal(got, upcast.bfloat16())
     torch.testing.assert_close(got.double(), want, atol=0.06, rtol=0.05)  # bf16 inputs: ~3 significant digits
@@ -281,3 +281,21 @@ def test_attention_distillation_trains_the_mixing_factor(name):
     assert loss is not None and bool(torch.isfinite(loss))
     (grad,) = torch.autograd.grad(loss, layer.window_mix)
     assert bool(torch.isfinite(grad).all()) and bool((grad != 0).all())
+
+
+def test_the_mixing_factor_starts_at_one_unbounded_and_trains_faster():
+    """gamma = exp(window_mix): 1 at conversion, any positive value reachable; window_mix at
+    WINDOW_MIX_LR_SCALE x the rate in both stages' optimizer groups (a sigmoid gate at the maps' rate
+    barely moved: docs/quality.md section 10)."""
+    from luna_convert.engine.training import scaled_groups
+    from luna_convert.layers.attention import WINDOW_MIX_LR_SCALE
+
+    layer = LinearAttention("hedgehog", D, H, D**-0.5, window=2, dwc=False)
+    torch.testing.assert_close(layer.window_gamma(), torch.ones(H))
+    with torch.no_grad():
+        layer.window_mix.fill_(3.0)
+    assert torch.allclose(layer.window_gamma(), torch.full((H,), math.exp(3.0)))
+    groups = scaled_groups(layer.method_parameters(), [layer], lr=1e-2)
+    mix_group = next(g for g in groups if any(p is layer.window_mix for p in g["params"]))
+    assert mix_group["lr"] == pytest.approx(1e-2 * WINDOW_MIX_LR_SCALE) and WINDOW_MIX_LR_SCALE > 1
+    assert all(g["lr"] == pytest.approx(1e-2) for g in groups if g is not mix_group)

@@ -76,7 +76,7 @@ def windowed_linear_attention(
 ) -> torch.Tensor:
     """Softmax within |i - j| <= ``window`` of each query, gamma x linear attention outside it, one
     normalisation (the module docstring's formula). q, k, v [B, H, N, d]; phi_q, phi_k [B, H, N, D];
-    gamma [H] (the per-head mixing factor, already in (0, 1)); key_mask bool [B, N] (None: all real).
+    gamma [H] (the per-head mixing factor, positive); key_mask bool [B, N] (None: all real).
 
     Sums and the division run in fp32 for half-precision inputs (float64 stays float64), as ``ops.linear``.
     """
