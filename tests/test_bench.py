@@ -74,11 +74,13 @@ def test_bench_cli_options(tmp_path):
 
     out = tmp_path / "b"
     result = CliRunner().invoke(app, ["bench", "--output-dir", str(out), "--quick", "--no-models", "--lengths", "16,32",
-                                      "--methods", "t2r,luna-nodwc", "--repeats", "2", "--timer", "cpu"])
+                                      "--methods", "t2r,luna-nodwc,hedgehog:window=4", "--repeats", "2",
+                                      "--timer", "cpu"])
     assert result.exit_code == 0, result.output
     data = json.loads((out / "bench.json").read_text())
     assert data["meta"]["timer"] == "thread CPU time" and data["meta"]["threads"] == 1
-    assert {r["method"] for r in data["layers"]["results"]} == {"softmax", "softmax-eager", "t2r", "luna-nodwc"}
+    assert {r["method"] for r in data["layers"]["results"]} == {"softmax", "softmax-eager", "t2r", "luna-nodwc",
+                                                                "hedgehog:window=4"}
     assert all(len(r["fwd_runs_ms"]) == 2 for r in data["layers"]["results"])
 
 
@@ -88,6 +90,9 @@ def test_bench_cli_bad_input_writes_nothing(tmp_path):
     from luna_convert.cli import app
 
     cases = [(["--methods", "lunaa"], "unknown method 'lunaa'. Did you mean luna"),
+             (["--methods", "hedgehog:windo=4"], "unknown option"),
+             (["--methods", "sorting:window=4"], "window must be 0 for 'sorting'"),
+             (["--methods", "hedgehog:window"], "give options as METHOD:NAME=VALUE"),
              (["--timer", "gpu"], "timer must be 'wall' or 'cpu'"),
              (["--timer", "cpu", "--threads", "2"], "use --threads 1"),
              (["--lengths", "1k"], "comma-separated integers")]

@@ -64,6 +64,7 @@ SOFTMAX = "softmax"  # torch scaled_dot_product_attention (flash kernel where av
 SOFTMAX_EAGER = "softmax-eager"  # explicit N x N softmax, a reference for memory
 LUNA_CORE = "luna-nodwc"  # LUNA feature maps + linear attention, without the DWC branch
 SLOPE_RANGE = (1024, 16384)
+OPTION_SEPARATOR = ":"  # hedgehog:window=64 is Hedgehog's layer with method option window = 64
 BENCH_DTYPES = {"float32": "float32", "bf16": "bfloat16"}  # --dtype -> torch dtype name
 
 VIT_SIZES = (224, 512, 1024)
@@ -213,6 +214,29 @@ def _eager_softmax(q, k, v):
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
+def layer_variant(name: str) -> tuple[str, dict]:
+    """A bench layer name -> (method, options): a method, ``luna-nodwc`` (LUNA without DWC), or a method
+    with options, ``METHOD:NAME=VALUE[:NAME=VALUE]`` (``hedgehog:window=64``); values read as YAML scalars.
+    An unknown method or option, or a bad value, is a LunaConvertError."""
+    import yaml
+
+    from ..conversion import resolve_options
+
+    if name == LUNA_CORE:
+        return "luna", {"dwc": False}
+    method, *pairs = name.split(OPTION_SEPARATOR)
+    if method not in METHODS:
+        raise unknown_name("method", method, [*METHODS, LUNA_CORE])
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not (key and sep and value):
+            raise LunaConvertError(f"bench method {name!r}: give options as METHOD:NAME=VALUE, e.g. hedgehog:window=64")
+        options[key] = yaml.safe_load(value)
+    resolve_options(method, options)  # ConversionError (a LunaConvertError) on a bad option
+    return method, options
+
+
 def _layer_modules(methods: Sequence[str], device, heads: int, head_dim: int):
     """name -> callable(q, k, v) for softmax (SDPA), eager softmax and every linear method; and the modules."""
     import torch.nn.functional as F
@@ -225,7 +249,7 @@ def _layer_modules(methods: Sequence[str], device, heads: int, head_dim: int):
         if name == SOFTMAX_EAGER:
             layers[name] = _eager_softmax
             continue
-        base, options = (("luna", {"dwc": False}) if name == LUNA_CORE else (name, {}))
+        base, options = layer_variant(name)
         module = LinearAttention(base, head_dim, heads, head_dim**-0.5, **options).to(device)
         layers[name] = module
         modules[name] = module
@@ -1031,9 +1055,8 @@ def run_benchmark(
     if methods is None:
         methods = [*METHODS, LUNA_CORE]
     linear = list(dict.fromkeys(m for m in methods if m not in (SOFTMAX, SOFTMAX_EAGER)))
-    unknown = [m for m in linear if m not in METHODS and m != LUNA_CORE]
-    if unknown:
-        raise unknown_name("method", unknown[0], [*METHODS, LUNA_CORE])
+    for name in linear:  # an unknown method or option fails before anything is timed
+        layer_variant(name)
     with_eager = bool(eager_max_length) and min(lengths) <= eager_max_length
     methods = [SOFTMAX, *([SOFTMAX_EAGER] if with_eager else []), *linear]
     layer_repeats = repeats or (1 if quick else 5)
