@@ -51,7 +51,7 @@ from typing import Callable, Iterable, Sequence
 
 from ..errors import LunaConvertError, unknown_name
 from ..fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
-from ..conversion import convert
+from ..conversion import convert, resolve_options
 from ..layers.attention import LinearAttention
 from ..linear_methods import METHODS
 from .background_load import background_load as run_background_load
@@ -219,8 +219,6 @@ def layer_variant(name: str) -> tuple[str, dict]:
     with options, ``METHOD:NAME=VALUE[:NAME=VALUE]`` (``hedgehog:window=64``); values read as YAML scalars.
     An unknown method or option, or a bad value, is a LunaConvertError."""
     import yaml
-
-    from ..conversion import resolve_options
 
     if name == LUNA_CORE:
         return "luna", {"dwc": False}
