@@ -19,8 +19,7 @@ from luna_convert.data import (
 )
 from luna_convert.errors import LunaConvertError
 from luna_convert.tasks import get_task
-
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from conftest import shared_data
 
 
 def write_tsv(path: Path, rows: list[list[str]]) -> Path:
@@ -545,9 +544,7 @@ def test_digits_split_sizes_and_determinism():
 
 
 def test_real_sst2_dev():
-    folder = SHARED_DATA / "glue" / "SST-2"
-    if not (folder / "dev.tsv").is_file():
-        pytest.skip(f"real GLUE SST-2 data not found at {folder}")
+    folder = shared_data("glue", "SST-2")  # LUNA_SHARED_DATA, else ../shared/data beside the checkout
     task = get_task("sst2")
     ds = load_split(task, "validation", folder)
     assert len(ds) == 872
