@@ -29,6 +29,13 @@ def linear_attention_weights(
     return scores / (den.clamp_min(eps) if clamp else den + eps)
 
 
+def window_stabiliser(window_scores: torch.Tensor) -> torch.Tensor:
+    """c_i of the window hybrid: the row maximum of scores masked to -inf outside the window, 0 for a row
+    whose window holds no real key (so exp(s - c) stays finite)."""
+    row_max = window_scores.amax(-1, keepdim=True)
+    return torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+
+
 def windowed_linear_attention_weights(
     q: torch.Tensor, k: torch.Tensor, phi_q: torch.Tensor, phi_k: torch.Tensor, gamma: torch.Tensor, window: int,
     scale: float, key_mask: torch.Tensor | None = None, eps: float = EPS, clamp: bool = False,
@@ -48,10 +55,8 @@ def windowed_linear_attention_weights(
     real = real[:, None, None, :]
     in_window = ((position[:, None] - position[None, :]).abs() <= window) & real  # [B, 1, N, N]
     scores = scores.masked_fill(~in_window, float("-inf"))  # exp of the rest is never taken: no inf * 0 in gradients
-    row_max = scores.amax(-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     far = gamma.to(compute)[:, None, None] * kernel * real
-    weights = torch.where(in_window, torch.exp(scores - row_max), far)
+    weights = torch.where(in_window, torch.exp(scores - window_stabiliser(scores)), far)
     den = weights.sum(-1, keepdim=True)
     return weights / (den.clamp_min(eps) if clamp else den + eps)
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .dtypes import accumulation_dtype
-from .reference import EPS
+from .reference import EPS, window_stabiliser
 
 
 def block_size(window: int, tokens: int) -> int:
@@ -63,8 +63,7 @@ def band_weights(q, k, phi_q, phi_k, gamma, in_window, scale: float, block: int,
     [B, H, blocks, block, 3 block]."""
     scores = query_blocks(q, block, blocks) @ neighbour_blocks(k, block, blocks).transpose(-1, -2) * scale
     scores = scores.masked_fill(~in_window, float("-inf"))  # exp gives 0 outside the window, gradients stay finite
-    stabiliser = scores.amax(-1, keepdim=True)
-    stabiliser = torch.where(torch.isfinite(stabiliser), stabiliser, torch.zeros_like(stabiliser))  # empty window: 0
+    stabiliser = window_stabiliser(scores)
     kernel = query_blocks(phi_q, block, blocks) @ neighbour_blocks(phi_k, block, blocks).transpose(-1, -2)
     return torch.exp(scores - stabiliser) - (gamma * kernel).masked_fill(~in_window, 0.0)
 

@@ -19,7 +19,6 @@ from pathlib import Path
 from ..errors import LunaConvertError
 from ..fileio import atomic_write_json, atomic_write_text
 from ..folder_layout import COMPARE_FILE, PLOT_FILE, RESULTS_FILE, TABLE_FILE
-from ..conversion import resolve_options
 from .config import CONTROL_METHOD, CONVERT_KEYWORD_OPTIONS, RunConfig
 from .pipeline import run_conversion
 from ..linear_methods.base import AttentionOptions
@@ -52,9 +51,8 @@ def run_compare(config: RunConfig, methods: list[str], seeds: list[int], folder:
 
     for method in methods:
         get_method(method)  # an unknown name fails before any run starts
-        # so does an option the method refuses (e.g. a window for a kernel method)
-        resolve_options(method, {k: v for k, v in options_for(config, method).items()
-                                 if k not in CONVERT_KEYWORD_OPTIONS})
+        # so does an option the method refuses (e.g. a window for a kernel method): its run's config is checked
+        replace(copy.deepcopy(config), method=method, method_options=options_for(config, method)).validate()
     if not seeds:
         raise LunaConvertError("compare needs at least one seed (--seeds 0,1,2)")
     say = console.print if console is not None else (lambda *a, **k: None)

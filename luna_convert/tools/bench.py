@@ -54,6 +54,7 @@ from ..fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
 from ..conversion import convert, resolve_options
 from ..layers.attention import LinearAttention
 from ..linear_methods import METHODS
+from ..run.recipes import parse_override
 from .background_load import background_load as run_background_load
 from .op_count import AtenOpCounter
 
@@ -216,10 +217,8 @@ def _eager_softmax(q, k, v):
 
 def layer_variant(name: str) -> tuple[str, dict]:
     """A bench layer name -> (method, options): a method, ``luna-nodwc`` (LUNA without DWC), or a method
-    with options, ``METHOD:NAME=VALUE[:NAME=VALUE]`` (``hedgehog:window=64``); values read as YAML scalars.
-    An unknown method or option, or a bad value, is a LunaConvertError."""
-    import yaml
-
+    with options, ``METHOD:NAME=VALUE[:NAME=VALUE]`` (``hedgehog:window=64``); values read as ``--set`` reads
+    them. An unknown method or option, or a bad value, is a LunaConvertError."""
     if name == LUNA_CORE:
         return "luna", {"dwc": False}
     method, *pairs = name.split(OPTION_SEPARATOR)
@@ -230,7 +229,8 @@ def layer_variant(name: str) -> tuple[str, dict]:
         key, sep, value = pair.partition("=")
         if not (key and sep and value):
             raise LunaConvertError(f"bench method {name!r}: give options as METHOD:NAME=VALUE, e.g. hedgehog:window=64")
-        options[key] = yaml.safe_load(value)
+        option, value = parse_override(pair)
+        options[option] = value
     resolve_options(method, options)  # ConversionError (a LunaConvertError) on a bad option
     return method, options
 
