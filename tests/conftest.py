@@ -7,11 +7,14 @@ between tests) with a fixed seed, in eval mode.
 from __future__ import annotations
 
 import os
+import tempfile
 
 # Before anything imports huggingface_hub / transformers / timm: no network look-ups.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Native kernels (ops.native) compile into a cache of this test session, not the user's ~/.cache.
+os.environ.setdefault("LUNA_CONVERT_CACHE_DIR", tempfile.mkdtemp(prefix="luna-convert-cache-"))
 
 import random  # noqa: E402
 from pathlib import Path  # noqa: E402

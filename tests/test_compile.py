@@ -24,6 +24,8 @@ from torch import nn
 from luna_convert.adapters.base import LinearizedAttention
 from luna_convert.conversion import convert
 from luna_convert.linear_methods import methods
+from luna_convert.linear_methods import luna_native
+from luna_convert.ops import native
 from luna_convert.linear_methods.luna_kernel import MAX_KNOTS_PER_CELL
 from luna_convert.tools.op_count import AtenOpCounter
 
@@ -167,16 +169,32 @@ def ops_per_forward(method: str, tokens: int, train: bool = False, **options) ->
 # performer 88, relu 51, sorting 254, taylor 69, t2r 62: the core now folds the mask and the denominator
 # into its two products (relu's core: 21 -> 17 calls), the mask is read once per model forward.
 # luna: its channel kernel (before: a loop over chunks of scalars); sorting: a sort, two scans and carries.
-MEASURED_OPS = {"cosformer": 64, "ela": 45, "elu": 30, "flexformer": 74, "hedgehog": 60, "llops": 78, "luna": 116,
+# luna 116 -> 62 with the native channel kernel (luna_native: one call per map for the channels and the norm);
+# "luna-pytorch" is LUNA with it off (LUNA_CONVERT_NATIVE=0, or no C compiler), as "luna" is without one.
+NATIVE = luna_native.library() is not None
+MEASURED_OPS = {"cosformer": 64, "ela": 45, "elu": 30, "flexformer": 74, "hedgehog": 60, "llops": 78,
+                "luna": 62 if NATIVE else 116, "luna-pytorch": 116,
                 "performer": 65, "relu": 28, "sorting": 235, "taylor": 46, "t2r": 39, "t2r-hh": 39}
 OP_SLACK = 1.1
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_operator_calls_per_forward_are_few_and_do_not_grow_with_n(method):
+def luna_paths(monkeypatch, path: str) -> None:
+    """LUNA's channel kernel: "native" (skipped without a C compiler) or "pytorch" (native kernels off)."""
+    if path == "native" and not NATIVE:
+        pytest.skip("no native kernel here: " + str(native.unavailable_reason(luna_native.SOURCE)))
+    if path == "pytorch":
+        monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
+
+
+@pytest.mark.parametrize("method", [*METHODS, "luna-pytorch"])
+def test_operator_calls_per_forward_are_few_and_do_not_grow_with_n(method, monkeypatch):
+    bound = MEASURED_OPS[method]
+    if method == "luna-pytorch":
+        luna_paths(monkeypatch, "pytorch")
+        method = "luna"
     short, long = ops_per_forward(method, 64), ops_per_forward(method, 256)
     assert long.by_op == short.by_op, (long.by_op - short.by_op) + (short.by_op - long.by_op)
-    assert short.total <= MEASURED_OPS[method] * OP_SLACK, short.by_op.most_common(12)
+    assert short.total <= bound * OP_SLACK, short.by_op.most_common(12)
 
 
 def test_layers_after_the_first_reuse_the_read_key_padding_mask():
@@ -201,10 +219,12 @@ def test_layers_after_the_first_reuse_the_read_key_padding_mask():
     assert first.total - next_layer.total <= 21, (first.by_op - next_layer.by_op)
 
 
+@pytest.mark.parametrize("path", ["native", "pytorch"])
 @pytest.mark.parametrize("options", [
     {"projections": 8}, {"projections": 32}, {"channels": 4}, {"channels": 8}, {"hidden": 16}, {"hidden": 256},
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-def test_luna_operator_calls_do_not_grow_with_projections_channels_or_knots(options):
+def test_luna_operator_calls_do_not_grow_with_projections_channels_or_knots(options, path, monkeypatch):
+    luna_paths(monkeypatch, path)
     base, other = ops_per_forward("luna", 64), ops_per_forward("luna", 64, **options)
     # Only the knot grid's comparison passes may differ (a gather, a compare, an add each): their number is
     # the most knots in one grid cell, which depends on where the knots lie, never above MAX_KNOTS_PER_CELL

@@ -42,6 +42,7 @@ def test_wheel_contains_every_recipe(wheel):
     # the demo's teacher checkpoint
     assert {"luna_convert/builtin_teachers/digits-vit/model.safetensors",
             "luna_convert/builtin_teachers/digits-vit/linear_attention.json"} <= set(names)
+    assert "luna_convert/linear_methods/luna_channels.c" in names  # LUNA's native kernel, compiled on first use
 
 
 def test_installed_wheel_finds_recipes_and_teacher_from_another_folder(wheel, tmp_path):

@@ -19,7 +19,7 @@ from torch import nn
 from ..ops.context import AttentionContext
 from ..ops.normalize import sum_normalize
 from .base import AttentionOptions, FeatureMap, Method, check_choice, check_positive_int, option
-from .luna_kernel import scalar_channels_of
+from .luna_kernel import channel_features_of, scalar_channels_of
 from .registry import register
 
 # channel_init "exp": the channels interpolate exp(c u) on [-span, span]: EXP_INIT_SPAN for a bank built
@@ -287,8 +287,12 @@ class LunaFeatureMap(FeatureMap):
     def each(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The features of each of ``xs`` (queries and keys), with one set of channel tables for all."""
         us = [self.project(x) for x in xs]  # [B, H, N, M] each
+        if self.uses_kernel and self.envelope is None:
+            # 1/sqrt(M) folded into the kernel's tables, the feature norm into its pass over the tokens.
+            norm_eps = FEATURE_NORM_EPS if self.options.feature_norm == "channel" else None
+            feats = channel_features_of(self.psi, *us, scale=1.0 / math.sqrt(self.projections), norm_eps=norm_eps)
+            return tuple(f.flatten(-2) for f in feats)
         if self.uses_kernel:
-            # 1/sqrt(M) folded into the kernel's tables: no extra pass over the features.
             channels = scalar_channels_of(self.psi, *us, scale=1.0 / math.sqrt(self.projections))
         else:
             channels = [self.psi(u) / math.sqrt(self.projections) for u in us]  # [B, H, N, M, L] each

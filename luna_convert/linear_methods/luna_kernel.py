@@ -54,11 +54,15 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import Callable
 
 import torch
 
 from ..ops.dtypes import accumulation_dtype
+from ..ops.normalize import sum_normalize
 from ..ops.streamed import current_recompute_scope
+from . import luna_native
+from .luna_native import native_cells, native_channel_features
 
 # Grid locator: at most this many knots may share a cell (else a finer grid, then searchsorted).
 MAX_KNOTS_PER_CELL = 4
@@ -139,6 +143,11 @@ def _linear_cell(x: torch.Tensor, low: float, scale: float, cells: int) -> torch
     return (x - low).mul_(scale).clamp_(0, cells - 1).nan_to_num_(0.0).to(torch.int32)
 
 
+def torch_cells(x: torch.Tensor, mapping: str, low: float, scale: float, cells: int) -> torch.Tensor:
+    """The grid cell (int32) of every element of x: ``mapping`` "linear" ((x - low) * scale) or "squashed"."""
+    return _linear_cell(x, low, scale, cells) if mapping == "linear" else _squashed_cell(x, cells)
+
+
 class KnotLocator:
     """``searchsorted(knots, u)`` (number of knots < u) for a fixed sorted knot vector.
 
@@ -148,26 +157,29 @@ class KnotLocator:
     comparisons. The cells are equal from the lowest knot to the highest where that
     spreads the knots well enough, else equal in x / (1 + |x|). Falls back to
     searchsorted when knots crowd one cell of both (e.g. many identical knots).
+
+    ``cells_of(x, mapping, low, scale, cells)`` computes cells (``torch_cells``, or the native kernel's
+    own, which must then locate the inputs too: knots and inputs must take the same float operations).
+    ``grid`` is (mapping, low, scale, cells, start [cells] int32, knots by cell [most, cells]), or None.
     """
 
-    def __init__(self, knots: torch.Tensor, use_grid: bool):
-        self.knots, self.start, self.kpad, self.mapping = knots, None, [], "searchsorted"
+    def __init__(self, knots: torch.Tensor, use_grid: bool, cells_of: Callable = torch_cells):
+        self.knots, self.start, self.kpad, self.mapping, self.grid = knots, None, [], "searchsorted", None
         if not use_grid:
             return
         # Knots at +inf (constant units) are never below any u: leave them out.
         kf = knots[knots != float("inf")]
         if kf.numel() == 0:
-            self.cells, self.start = 1, torch.zeros(1, dtype=torch.int32, device=knots.device)
-            self.cell_of, self.mapping = (lambda u: _linear_cell(u, 0.0, 0.0, 1)), "linear"
+            self._set_grid(cells_of, "linear", 0.0, 0.0, 1, torch.zeros(1, dtype=torch.int32, device=knots.device),
+                           knots.new_empty(0, 1))
             return
         low, high = float(kf[0]), float(kf[-1])
-        maps = {} if not math.isfinite(high - low) or high == low else {
-            "linear": lambda x, cells: _linear_cell(x, low, cells / (high - low), cells)}
-        maps["squashed"] = _squashed_cell
-        for mapping, cell_of in maps.items():
+        mappings = ["squashed"] if not math.isfinite(high - low) or high == low else ["linear", "squashed"]
+        for mapping in mappings:
             cells = max(1024, 1 << math.ceil(math.log2(8 * kf.numel())))
             while True:
-                cell = cell_of(kf, cells)
+                scale = cells / (high - low) if mapping == "linear" else 0.0
+                cell = cells_of(kf, mapping, low, scale, cells)
                 counts = torch.bincount(cell, minlength=cells)
                 most = int(counts.max())
                 if most <= MAX_KNOTS_PER_CELL or cells * 8 > MAX_CELLS:
@@ -184,8 +196,13 @@ class KnotLocator:
         kpad = torch.full((most, cells), float("inf"), dtype=knots.dtype, device=knots.device)
         kpad[slot, sorted_cell] = kf[order]
         # int32: index_select takes it as fast as int64 and it halves the index's memory.
-        self.cells, self.start, self.kpad = cells, first.to(torch.int32), list(kpad.unbind(0))
-        self.cell_of, self.mapping = (lambda u: cell_of(u, cells)), mapping
+        self._set_grid(cells_of, mapping, low, scale, cells, first.to(torch.int32), kpad)
+
+    def _set_grid(self, cells_of: Callable, mapping: str, low: float, scale: float, cells: int,
+                  start: torch.Tensor, kpad: torch.Tensor) -> None:
+        self.cells, self.start, self.kpad, self.mapping = cells, start, list(kpad.unbind(0)), mapping
+        self.grid = (mapping, low, scale, cells, start.contiguous(), kpad.contiguous())
+        self.cell_of = lambda u: cells_of(u, mapping, low, scale, cells)
 
     def __call__(self, u: torch.Tensor) -> torch.Tensor:
         """int32 interval index of every element of the 1-D tensor u."""
@@ -284,9 +301,10 @@ class _CachedTables:
 _TABLE_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _build_prepared(psi, compute: torch.dtype, scale: float, device: torch.device):
+def _build_prepared(psi, compute: torch.dtype, scale: float, device: torch.device, native: bool = False):
     """((slope, intercept), (their row sources, locator)) in ``compute`` dtype, built now (the tables
-    differentiable when recording; the row sources are detached views of them)."""
+    differentiable when recording; the row sources are detached views of them). ``native``: the locator's
+    grid is built with the native kernel's cell arithmetic (``luna_native.native_cells``)."""
     table_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
     knots, table = piecewise_table(psi, table_dtype, scale)
     knots, table = knots.to(compute), table.to(compute)
@@ -296,7 +314,8 @@ def _build_prepared(psi, compute: torch.dtype, scale: float, device: torch.devic
         knots, table = _distinct_knots(knots, table)
     channels = table.shape[1] // 2
     tables = table[:, :channels].contiguous(), table[:, channels:].contiguous()
-    return tables, (tuple(row_source(t) for t in tables), KnotLocator(knots, use_grid))
+    locator = KnotLocator(knots, use_grid, native_cells if native else torch_cells)
+    return tables, (tuple(row_source(t) for t in tables), locator)
 
 
 def _distinct_knots(knots: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,28 +332,28 @@ def _distinct_knots(knots: torch.Tensor, table: torch.Tensor) -> tuple[torch.Ten
     return distinct, table.index_select(0, rows)
 
 
-def _prepared(psi, compute: torch.dtype, scale: float, device: torch.device):
+def _prepared(psi, compute: torch.dtype, scale: float, device: torch.device, native: bool = False):
     """((slope, intercept), (their row sources, locator)) in ``compute`` dtype, from the cache when that is safe."""
     if torch.compiler.is_compiling():
         # Built in the graph on every call: the cache's look-up compares parameter values (a
         # data-dependent branch), and compiled code never runs inside a streamed backward's scope
         # (``LinearAttention.stream_chunk`` keeps compiled calls off the streamed path).
-        return _build_prepared(psi, compute, scale, device)
+        return _build_prepared(psi, compute, scale, device, native)
     params = (psi.w1, psi.b1, psi.w2, psi.b2)
     recording = torch.is_grad_enabled() and any(p.requires_grad for p in params)
     if recording:
         scope = current_recompute_scope()
         if scope is None:
-            return _build_prepared(psi, compute, scale, device)
+            return _build_prepared(psi, compute, scale, device, native)
         # inside a streamed backward: one set of tables (and one locator) for all its chunks
-        return scope.shared((TABLES_KEY, id(psi), compute, scale, device),
-                            lambda: _build_prepared(psi, compute, scale, device))
+        return scope.shared((TABLES_KEY, id(psi), compute, scale, device, native),
+                            lambda: _build_prepared(psi, compute, scale, device, native))
     # Comparing the ~1.5k parameter values costs 6 us; building the tables 0.33 ms (defaults, CPU, measured).
-    key = (compute, scale, device)
+    key = (compute, scale, device, native)
     hit = _TABLE_CACHE.get(psi)
     if hit is not None and hit.fits(key, params):
         return hit.prepared
-    prepared = _build_prepared(psi, compute, scale, device)
+    prepared = _build_prepared(psi, compute, scale, device, native)
     _TABLE_CACHE[psi] = _CachedTables(key, params, prepared)
     return prepared
 
@@ -363,3 +382,25 @@ def scalar_channels_of(psi, *us: torch.Tensor, scale: float = 1.0) -> tuple[torc
             track = torch.is_grad_enabled() and (u.requires_grad or slope.requires_grad or intercept.requires_grad)
             out.append(_PiecewiseLinearReLU.apply(x, index, slope, intercept, *rows, u.dtype, track))
         return tuple(out)
+
+
+def native_kernel_applies(projections: int, channels: int, compute: torch.dtype, device: torch.device) -> bool:
+    """Whether ``channel_features_of`` runs the native kernel for these sizes, dtype and device now."""
+    return (device.type == "cpu" and compute == torch.float32 and not torch.compiler.is_compiling()
+            and luna_native.fits(projections, channels) and luna_native.library() is not None)
+
+
+def channel_features_of(psi, *us: torch.Tensor, scale: float = 1.0,
+                        norm_eps: float | None = None) -> tuple[torch.Tensor, ...]:
+    """``scalar_channels_of`` [..., M, L] of each of ``us``, and with ``norm_eps`` each channel divided by
+    (its sum over the M projections + norm_eps) (``ops.normalize.sum_normalize``): in one native pass
+    (``luna_native``) where it applies, else in PyTorch; in u's dtype."""
+    compute, device = accumulation_dtype(*us), us[0].device
+    if native_kernel_applies(us[0].shape[-1], psi.channels, compute, device):
+        with torch.autocast(device_type=device.type, enabled=False):
+            (slope, intercept), (_, locate) = _prepared(psi, compute, float(scale), device, native=True)
+            if locate.grid is not None:  # else crowded knots: searchsorted, on the PyTorch path
+                return tuple(native_channel_features(u, slope, intercept, locate.grid, norm_eps).to(u.dtype)
+                             for u in us)
+    feats = scalar_channels_of(psi, *us, scale=scale)
+    return feats if norm_eps is None else tuple(sum_normalize(f, -2, norm_eps) for f in feats)

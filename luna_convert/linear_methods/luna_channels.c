@@ -1,0 +1,156 @@
+/* LUNA's channel bank and its feature norm in one pass over the tokens (the native path of
+ * luna_native.py; the reference is ScalarChannels.forward followed by ops.normalize.sum_normalize).
+ *
+ * Plain C99, no PyTorch headers: compiled on first use by the machine's C compiler into a cached
+ * shared library and called through ctypes on float32 CPU buffers. Each call handles the rows
+ * [r0, r1) of a [rows, M] input, so Python threads (ctypes releases the GIL) split one call's rows.
+ *
+ * Per scalar u: its interval i among the sorted knots (a grid of cells, then at most `most`
+ * comparisons), then every channel l is relu(slope[i, l] u + intercept[i, l]). With eps >= 0 each
+ * channel of a row is divided by (its sum over the row's M projections + eps) while the row is still
+ * in cache. The backward recomputes the same values from u, so nothing but u is kept for it.
+ *
+ * Compiled with -ffp-contract=off: the cell of a knot and the cell of an input go through the same
+ * float operations here (luna_cells for the knots), which is what keeps the grid search exact.
+ */
+#include <stdint.h>
+#include <math.h>
+
+#define BLOCK 1024      /* scalars located per pass; their features stay in cache for the norm */
+#define MAX_CHANNELS 64 /* L; the caller checks it */
+#define MAX_ROW 8192    /* M * L; the caller checks it */
+
+static inline int32_t cell_of(float x, int mapping, float low, float scale, int32_t cells) {
+    /* mapping 0: equal cells from low on, (x - low) * scale; 1: (x / (1 + |x|) + 1) * cells / 2.
+       Monotone non-decreasing in x, clamped to 0..cells-1, NaN -> 0. */
+    float v;
+    if (mapping == 0) {
+        v = (x - low) * scale;
+    } else {
+        float a = fabsf(x);
+        if (a > 1e30f) a = 1e30f;
+        v = (x / (a + 1.0f) + 1.0f) * ((float)cells * 0.5f);
+    }
+    if (!(v >= 0.0f)) v = 0.0f;
+    if (v > (float)(cells - 1)) v = (float)(cells - 1);
+    return (int32_t)v;
+}
+
+void luna_cells(const float *x, int64_t n, int mapping, float low, float scale, int32_t cells, int32_t *out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = cell_of(x[i], mapping, low, scale, cells);
+}
+
+typedef struct {
+    int mapping;
+    float low, scale;
+    int32_t cells, most;
+    const int32_t *start; /* [cells]: how many knots lie in lower cells */
+    const float *kpad;    /* [most, cells]: each cell's knots, padded with +inf */
+} grid_t;
+
+/* The number of knots < u. */
+static inline int32_t locate(const grid_t *g, float u) {
+    int32_t c = cell_of(u, g->mapping, g->low, g->scale, g->cells);
+    int32_t i = g->start[c];
+    for (int32_t j = 0; j < g->most; ++j) i += u > g->kpad[(int64_t)j * g->cells + c];
+    return i;
+}
+
+static inline void forward_rows(const float *x, int64_t rows, int32_t M, const int32_t L, const grid_t *g,
+                                const float *slope, const float *intercept, float eps, float *out) {
+    int32_t idx[BLOCK];
+    float sums[MAX_CHANNELS];
+    int64_t per = BLOCK / M; /* rows per block; M <= BLOCK is checked by the caller */
+    for (int64_t r = 0; r < rows; r += per) {
+        int64_t re = r + per < rows ? r + per : rows, s = r * M, e = re * M;
+        for (int64_t i = s; i < e; ++i) idx[i - s] = locate(g, x[i]);
+        for (int64_t i = s; i < e; ++i) {
+            const float u = x[i];
+            const float *sl = slope + (int64_t)idx[i - s] * L, *ic = intercept + (int64_t)idx[i - s] * L;
+            float *o = out + i * L;
+            for (int32_t l = 0; l < L; ++l) {
+                float f = sl[l] * u + ic[l];
+                o[l] = f > 0.0f ? f : 0.0f;
+            }
+        }
+        if (eps < 0.0f) continue;
+        for (int64_t q = r; q < re; ++q) {
+            float *o = out + q * (int64_t)M * L;
+            for (int32_t l = 0; l < L; ++l) sums[l] = 0.0f;
+            for (int32_t m = 0; m < M; ++m)
+                for (int32_t l = 0; l < L; ++l) sums[l] += o[m * L + l];
+            for (int32_t l = 0; l < L; ++l) sums[l] = 1.0f / (sums[l] + eps);
+            for (int32_t m = 0; m < M; ++m)
+                for (int32_t l = 0; l < L; ++l) o[m * L + l] *= sums[l];
+        }
+    }
+}
+
+/* Row by row: recompute f = relu(a), a = slope u + intercept; with the norm, y = f r, r = 1 / (sum f + eps)
+   and df = r (g - sum_m g y); then da = df where f > 0, grad_x = sum_l da slope, and the per-interval sums
+   of da u (slope) and da (intercept) in double. */
+static inline void backward_rows(const float *x, int64_t rows, int32_t M, const int32_t L, const grid_t *g,
+                                 const float *slope, const float *intercept, float eps, const float *grad_out,
+                                 float *grad_x, double *grad_slope, double *grad_intercept) {
+    int32_t idx[BLOCK];
+    float f[MAX_ROW]; /* one row's features */
+    float r_[MAX_CHANNELS], dot[MAX_CHANNELS];
+    for (int64_t q = 0; q < rows; ++q) {
+        const float *xr = x + q * M, *gr = grad_out + q * (int64_t)M * L;
+        for (int32_t m = 0; m < M; ++m) idx[m] = locate(g, xr[m]);
+        for (int32_t m = 0; m < M; ++m) {
+            const float *sl = slope + (int64_t)idx[m] * L, *ic = intercept + (int64_t)idx[m] * L;
+            for (int32_t l = 0; l < L; ++l) {
+                float a = sl[l] * xr[m] + ic[l];
+                f[m * L + l] = a > 0.0f ? a : 0.0f;
+            }
+        }
+        for (int32_t l = 0; l < L; ++l) { r_[l] = 1.0f; dot[l] = 0.0f; } /* no norm: df = g */
+        if (eps >= 0.0f) {
+            for (int32_t l = 0; l < L; ++l) r_[l] = 0.0f;
+            for (int32_t m = 0; m < M; ++m)
+                for (int32_t l = 0; l < L; ++l) r_[l] += f[m * L + l];
+            for (int32_t l = 0; l < L; ++l) r_[l] = 1.0f / (r_[l] + eps);
+            for (int32_t m = 0; m < M; ++m)
+                for (int32_t l = 0; l < L; ++l) dot[l] += gr[m * L + l] * (f[m * L + l] * r_[l]);
+        }
+        for (int32_t m = 0; m < M; ++m) {
+            const float u = xr[m];
+            const int64_t i = (int64_t)idx[m] * L;
+            float gu = 0.0f;
+            for (int32_t l = 0; l < L; ++l) {
+                float d = (gr[m * L + l] - dot[l]) * r_[l];
+                if (!(f[m * L + l] > 0.0f)) d = 0.0f;
+                gu += d * slope[i + l];
+                grad_slope[i + l] += (double)d * (double)u;
+                grad_intercept[i + l] += (double)d;
+            }
+            grad_x[q * M + m] = gu;
+        }
+    }
+}
+
+#define DISPATCH(L, CALL) \
+    switch (L) { \
+        case 1: { const int32_t LL = 1; CALL; break; } \
+        case 2: { const int32_t LL = 2; CALL; break; } \
+        case 4: { const int32_t LL = 4; CALL; break; } \
+        case 8: { const int32_t LL = 8; CALL; break; } \
+        default: { const int32_t LL = L; CALL; } \
+    }
+
+void luna_channels_forward(const float *x, int64_t r0, int64_t r1, int32_t M, int32_t L, int mapping, float low,
+                           float scale, int32_t cells, int32_t most, const int32_t *start, const float *kpad,
+                           const float *slope, const float *intercept, float eps, float *out) {
+    grid_t g = {mapping, low, scale, cells, most, start, kpad};
+    DISPATCH(L, forward_rows(x + r0 * M, r1 - r0, M, LL, &g, slope, intercept, eps, out + r0 * (int64_t)M * L))
+}
+
+void luna_channels_backward(const float *x, int64_t r0, int64_t r1, int32_t M, int32_t L, int mapping, float low,
+                            float scale, int32_t cells, int32_t most, const int32_t *start, const float *kpad,
+                            const float *slope, const float *intercept, float eps, const float *grad_out,
+                            float *grad_x, double *grad_slope, double *grad_intercept) {
+    grid_t g = {mapping, low, scale, cells, most, start, kpad};
+    DISPATCH(L, backward_rows(x + r0 * M, r1 - r0, M, LL, &g, slope, intercept, eps,
+                              grad_out + r0 * (int64_t)M * L, grad_x + r0 * M, grad_slope, grad_intercept))
+}

@@ -1,0 +1,112 @@
+"""LUNA's channel bank and its feature norm in one native pass (``luna_channels.c``), float32 on the CPU.
+
+The PyTorch path of ``luna_kernel`` evaluates a map in about twenty operator calls over [B, H, N, M, L]
+(the grid search, two row gathers, a multiply-add and a relu, then ``ops.normalize.sum_normalize``): each
+call is its own memory pass and its own parallel region, and on a machine busy with other work every
+parallel region waits for its slowest thread. Here the whole map is one call: one read of u, one write of
+the features, the norm done per row while it is in cache. Its backward recomputes the features from u
+(a few nanoseconds a scalar) instead of keeping them, so the layer saves u and nothing else for it.
+
+Used by ``luna_kernel.channel_features_of`` when ``ops.native`` could build the library (a C compiler is
+there and ``LUNA_CONVERT_NATIVE`` is not 0), for float32 compute on the CPU outside ``torch.compile``;
+everywhere else, and as the reference in tests/test_luna_native.py, the PyTorch path runs. Both locate
+with a ``luna_kernel.KnotLocator`` grid; the native one computes the knots' cells with the library's own
+cell function (``native_cells``), the one its search uses for the inputs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from ..ops import native
+
+SOURCE = Path(__file__).with_name("luna_channels.c")
+# The limits of luna_channels.c: channels L, scalars located per pass (so projections M), features per row.
+MAX_CHANNELS, BLOCK, MAX_ROW = 64, 1024, 8192
+# Rows (tokens x heads) per chunk at the least: below that a thread hand-off costs more than the work.
+MIN_ROWS_PER_CHUNK = 256
+MAPPINGS = {"linear": 0, "squashed": 1}
+
+_P, _I64, _I32, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_int
+_GRID = [_INT, _F, _F, _I32, _I32, _P, _P]  # mapping, low, scale, cells, most, start, knots by cell
+_SIGNATURES = {
+    "luna_cells": [_P, _I64, _INT, _F, _F, _I32, _P],
+    "luna_channels_forward": [_P, _I64, _I64, _I32, _I32, *_GRID, _P, _P, _F, _P],
+    "luna_channels_backward": [_P, _I64, _I64, _I32, _I32, *_GRID, _P, _P, _F, _P, _P, _P, _P],
+}
+_configured: set[int] = set()
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (``ops.native.unavailable_reason(SOURCE)`` says why)."""
+    lib = native.load_library(SOURCE)
+    if lib is not None and id(lib) not in _configured:
+        for name, argtypes in _SIGNATURES.items():
+            getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
+        _configured.add(id(lib))
+    return lib
+
+
+def fits(projections: int, channels: int) -> bool:
+    """Whether a map of M projections and L channels is within the kernel's fixed buffers."""
+    return channels <= MAX_CHANNELS and projections <= BLOCK and projections * channels <= MAX_ROW
+
+
+def native_cells(x: torch.Tensor, mapping: str, low: float, scale: float, cells: int) -> torch.Tensor:
+    """The grid cell of every element of x by the kernel's own arithmetic (a ``KnotLocator`` cells_of)."""
+    x = x.detach().to(torch.float32).contiguous()
+    out = torch.empty(x.shape, dtype=torch.int32)
+    library().luna_cells(x.data_ptr(), x.numel(), MAPPINGS[mapping], low, scale, cells, out.data_ptr())
+    return out
+
+
+def _grid_args(grid: tuple) -> list:
+    mapping, low, scale, cells, start, kpad = grid
+    return [MAPPINGS[mapping], low, scale, cells, kpad.shape[0], start.data_ptr(), kpad.data_ptr()]
+
+
+class _NativeChannelFeatures(torch.autograd.Function):
+    """Features [..., M, L] of u [..., M] (float32, contiguous); eps < 0: no feature norm."""
+
+    @staticmethod
+    def forward(ctx, u, slope, intercept, grid, eps, track):
+        lib, (rows, projections), channels = library(), (u.numel() // u.shape[-1], u.shape[-1]), slope.shape[1]
+        out = torch.empty(*u.shape, channels, dtype=torch.float32)
+        head = [projections, channels, *_grid_args(grid), slope.data_ptr(), intercept.data_ptr(), eps]
+        native.run_in_chunks(lambda r0, r1, _: lib.luna_channels_forward(u.data_ptr(), r0, r1, *head, out.data_ptr()),
+                             rows, native.chunk_count(rows, MIN_ROWS_PER_CHUNK))
+        if track:
+            ctx.grid, ctx.eps = grid, eps
+            ctx.save_for_backward(u, slope, intercept)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        u, slope, intercept = ctx.saved_tensors
+        lib, (rows, projections), channels = library(), (u.numel() // u.shape[-1], u.shape[-1]), slope.shape[1]
+        grad_out = grad_out.to(torch.float32).contiguous()
+        grad_u = torch.empty_like(u)
+        chunks = native.chunk_count(rows, MIN_ROWS_PER_CHUNK)
+        # Per-interval sums, one float64 table per chunk (no two threads add into one), summed after.
+        sums = torch.zeros(2, chunks, *slope.shape, dtype=torch.float64)
+        head = [projections, channels, *_grid_args(ctx.grid), slope.data_ptr(), intercept.data_ptr(), ctx.eps,
+                grad_out.data_ptr(), grad_u.data_ptr()]
+        native.run_in_chunks(lambda r0, r1, i: lib.luna_channels_backward(
+            u.data_ptr(), r0, r1, *head, sums[0, i].data_ptr(), sums[1, i].data_ptr()), rows, chunks)
+        grad_slope, grad_intercept = sums.sum(1).to(slope.dtype).unbind(0)
+        return grad_u, grad_slope, grad_intercept, None, None, None
+
+
+def native_channel_features(u: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor, grid: tuple,
+                            norm_eps: float | None) -> torch.Tensor:
+    """relu(slope[i] u + intercept[i]) for every scalar of u [..., M] (i its interval on ``grid``, a
+    ``KnotLocator.grid`` built with ``native_cells``): [..., M, L] float32; with ``norm_eps`` each channel
+    then divided by (its sum over the M projections + norm_eps)."""
+    x = u.to(torch.float32).contiguous()
+    track = torch.is_grad_enabled() and (x.requires_grad or slope.requires_grad or intercept.requires_grad)
+    eps = -1.0 if norm_eps is None else float(norm_eps)
+    return _NativeChannelFeatures.apply(x, slope.contiguous(), intercept.contiguous(), grid, eps, track)

@@ -1,0 +1,154 @@
+"""Optional native kernels: a C source shipped in the package, compiled on first use by the machine's C
+compiler into a cached shared library and called through ctypes on CPU buffers.
+
+Never required. Without a C compiler, on a compile failure, or with ``LUNA_CONVERT_NATIVE=0`` in the
+environment, ``load_library`` returns None and every caller keeps its pure-PyTorch path, which is also the
+reference the native one is tested against. The C sources are plain C99 without PyTorch headers, so a
+compile takes well under a second and needs no build tool but ``cc``.
+
+The library is cached under ``$LUNA_CONVERT_CACHE_DIR`` (default ``~/.cache/luna_convert``) in ``native/``,
+named by a hash of the source, the flags and the compiler, so a changed source is rebuilt and a stale
+library is never loaded. It is written to a temporary name and renamed: two processes compiling at once
+both end with a whole file.
+
+Why not torch.compile or a PyTorch C++ extension: both need a C++ toolchain and tens of seconds of
+compilation on first use; this needs a C compiler for a fraction of a second.
+
+Threads: ``run_in_chunks`` splits a call's rows into a few chunks per thread of torch's intra-op count
+and runs them on a thread pool (ctypes releases the GIL), taken as each thread frees up, so one thread
+held up by another process delays one chunk, not the whole call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+DISABLE_VARIABLE = "LUNA_CONVERT_NATIVE"
+CACHE_VARIABLE = "LUNA_CONVERT_CACHE_DIR"
+# -ffp-contract=off: no fused multiply-adds the compiler chooses itself, so a value goes through the same
+# float operations wherever the source computes it (the grid search of luna_channels.c relies on it).
+FLAGS = ("-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off")
+CHUNKS_PER_THREAD = 4
+
+log = logging.getLogger(__name__)
+_LOCK = threading.Lock()
+_LIBRARIES: dict[Path, ctypes.CDLL | None] = {}
+_REASONS: dict[Path, str] = {}
+_POOL: ThreadPoolExecutor | None = None
+_POOL_KEY: tuple[int, int] = (0, 0)  # (process, threads) the pool was made for: a forked child makes its own
+
+
+def cache_dir() -> Path:
+    root = os.environ.get(CACHE_VARIABLE) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "luna_convert"
+    return Path(root) / "native"
+
+
+def compiler() -> str | None:
+    """The C compiler to use: ``$CC``, else cc, gcc or clang on PATH; None if there is none."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def disabled() -> bool:
+    return os.environ.get(DISABLE_VARIABLE, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _compile(source: Path, cc: str) -> Path:
+    text = source.read_bytes()
+    key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), cc.encode(), platform.machine().encode()]))
+    target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so.partial", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, "-o", partial, str(source), "-lm"], check=True, capture_output=True,
+                       text=True, timeout=120)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def load_library(source: Path) -> ctypes.CDLL | None:
+    """The compiled library of the C file ``source`` (built once per machine, cached), or None when native
+    kernels are off or it cannot be built here (``unavailable_reason`` says why)."""
+    if disabled():
+        return None
+    with _LOCK:
+        if source not in _LIBRARIES:
+            _LIBRARIES[source] = None
+            cc = compiler()
+            try:
+                if cc is None:
+                    raise OSError("no C compiler (set CC, or install cc, gcc or clang)")
+                _LIBRARIES[source] = ctypes.CDLL(str(_compile(source, cc)))
+            except (OSError, subprocess.SubprocessError) as error:
+                detail = getattr(error, "stderr", None) or str(error)
+                _REASONS[source] = f"{source.name} not built: {detail.strip().splitlines()[-1] if detail.strip() else error}"
+                log.info("native kernel off, the PyTorch path is used: %s", _REASONS[source])
+        return _LIBRARIES[source]
+
+
+def unavailable_reason(source: Path) -> str | None:
+    """Why ``load_library(source)`` gives None (after it was called), or None if it loaded."""
+    if disabled():
+        return f"{DISABLE_VARIABLE}=0"
+    return _REASONS.get(source)
+
+
+def chunk_count(rows: int, min_rows: int) -> int:
+    """How many chunks ``run_in_chunks`` cuts ``rows`` into: one per ``min_rows`` rows at most, and at
+    most ``CHUNKS_PER_THREAD`` per intra-op thread."""
+    threads = torch.get_num_threads()
+    if threads <= 1:
+        return 1
+    return max(1, min(rows // max(min_rows, 1), CHUNKS_PER_THREAD * threads))
+
+
+def run_in_chunks(call: Callable[[int, int, int], None], rows: int, chunks: int) -> None:
+    """``call(first_row, end_row, chunk_index)`` over ``chunks`` equal slices of ``rows``, on the thread
+    pool when there is more than one."""
+    bounds = [rows * i // chunks for i in range(chunks + 1)]
+    if chunks == 1:
+        call(0, rows, 0)
+        return
+    futures = [_pool().submit(call, bounds[i], bounds[i + 1], i) for i in range(chunks)]
+    for future in futures:
+        future.result()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL, _POOL_KEY
+    key = (os.getpid(), torch.get_num_threads())
+    with _LOCK:
+        if _POOL is None or _POOL_KEY != key:
+            if _POOL is not None and _POOL_KEY[0] == key[0]:
+                _POOL.shutdown(wait=False)
+            _POOL, _POOL_KEY = ThreadPoolExecutor(key[1], thread_name_prefix="luna-native"), key
+        return _POOL
+
+
+def forget() -> None:
+    """Forget which libraries were loaded or failed, so the next ``load_library`` tries again (tests, or
+    after installing a compiler in a running session)."""
+    with _LOCK:
+        _LIBRARIES.clear()
+        _REASONS.clear()

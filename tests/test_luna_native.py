@@ -1,0 +1,208 @@
+"""LUNA's native channel kernel (``luna_native``, ``luna_channels.c``, loaded by ``ops.native``).
+
+Its reference is the plain MLP bank ``ScalarChannels.forward`` followed by the feature norm written out
+(x / (sum over the projections + eps)), in float64: values and gradients for u and the four bank
+parameters, at the conversion defaults and at the paper's form, on and beside the knots, over several
+threads. Then: the layer gives the PyTorch path's outputs and gradients, it really takes the native
+path, and without a compiler (or with LUNA_CONVERT_NATIVE=0, or a source that does not compile) the
+PyTorch path runs and says why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from luna_convert.layers.attention import LinearAttention
+from luna_convert.linear_methods import luna_kernel, luna_native
+from luna_convert.linear_methods.luna import FEATURE_NORM_EPS, PAPER_OPTIONS, ScalarChannels
+from luna_convert.linear_methods.luna_kernel import channel_features_of, channel_tables
+from luna_convert.ops import native
+from luna_convert.tools.op_count import AtenOpCounter
+
+
+@pytest.fixture
+def kernel():
+    if luna_native.library() is None:
+        pytest.skip(native.unavailable_reason(luna_native.SOURCE))
+    return luna_native.library()
+
+
+def bank(channels: int, init: str, hidden: int = 64) -> ScalarChannels:
+    torch.manual_seed(channels)
+    return ScalarChannels(channels, hidden, init=init)
+
+
+def reference(psi: ScalarChannels, u: torch.Tensor, scale: float, norm_eps: float | None) -> torch.Tensor:
+    """The bank's MLP times scale, each channel divided by its sum over the projections (dim -2) + eps."""
+    feats = psi(u) * scale
+    return feats if norm_eps is None else feats / (feats.sum(-2, keepdim=True) + norm_eps)
+
+
+def values_and_grads(psi: ScalarChannels, u: torch.Tensor, out: torch.Tensor, grad: torch.Tensor):
+    return [out.detach(), *torch.autograd.grad(out, [u, *psi.parameters()], grad.to(out.dtype))]
+
+
+@pytest.mark.parametrize("init, projections, channels, norm_eps", [
+    ("exp", 64, 2, FEATURE_NORM_EPS),  # the conversion default
+    ("random", 8, 8, None),  # the paper's form
+    ("exp", 5, 3, FEATURE_NORM_EPS),  # L that the kernel does not specialise
+    ("random", 7, 1, 0.5),
+])
+def test_matches_the_mlp_bank_and_its_norm(kernel, init, projections, channels, norm_eps):
+    psi = bank(channels, init)
+    psi64 = bank(channels, init).double()
+    u = (torch.randn(2, 3, 37, projections) * 3).requires_grad_()
+    u64 = u.detach().double().requires_grad_()
+    grad = torch.randn(2, 3, 37, projections, channels, dtype=torch.float64)
+    got = values_and_grads(psi, u, channel_features_of(psi, u, scale=0.3, norm_eps=norm_eps)[0], grad)
+    want = values_and_grads(psi64, u64, reference(psi64, u64, 0.3, norm_eps), grad)
+    for name, a, b in zip(["features", "u", "w1", "b1", "w2", "b2"], got, want):
+        # float32 against float64: measured at most 4e-6 relative to the largest entry (w2's gradient sums
+        # over every scalar of u)
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-5 * max(1.0, b.abs().max().item()), msg=name)
+
+
+def test_on_and_beside_the_knots_as_the_pytorch_path(kernel, monkeypatch):
+    """At a knot exactly, and one float32 step to either side, the same interval as the PyTorch path."""
+    psi = bank(2, "random")
+    knots, _, _ = channel_tables(psi)
+    finite = knots[torch.isfinite(knots)].float()
+    up, down = torch.nextafter(finite, finite + 1), torch.nextafter(finite, finite - 1)
+    u = torch.cat([finite, up, down, torch.tensor([-1e30, 1e30, 0.0, -0.0])]).view(1, -1, 1).requires_grad_()
+    grad = torch.randn(1, u.shape[1], 1, 2)
+    native_out = values_and_grads(psi, u, channel_features_of(psi, u)[0], grad)
+    monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
+    torch_out = values_and_grads(psi, u, channel_features_of(psi, u)[0], grad)
+    for name, a, b in zip(["features", "u", "w1", "b1", "w2", "b2"], native_out, torch_out):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)  # measured 0 for the features and u
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_split_the_rows_and_give_one_threads_result(kernel, threads):
+    psi = bank(2, "exp")
+    u = torch.randn(4, 12, 300, 16).requires_grad_()
+    grad = torch.randn(4, 12, 300, 16, 2)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, threads):
+            torch.set_num_threads(count)
+            results.append(values_and_grads(psi, u, channel_features_of(psi, u, norm_eps=1e-6)[0], grad))
+        assert native.chunk_count(u.numel() // 16, luna_native.MIN_ROWS_PER_CHUNK) == 4 * threads
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)  # rows are independent
+    for a, b in zip(results[1][1:], results[0][1:]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # per-chunk float64 sums, in another grouping
+
+
+def test_run_in_chunks_visits_every_row_once():
+    seen = []
+    native.run_in_chunks(lambda r0, r1, i: seen.append((r0, r1, i)), 103, 7)
+    assert sorted(seen) == sorted(seen, key=lambda s: s[2]) and len(seen) == 7
+    rows = [r for r0, r1, _ in seen for r in range(r0, r1)]
+    assert sorted(rows) == list(range(103))
+
+
+def luna_layer(**options) -> LinearAttention:
+    torch.manual_seed(0)
+    layer = LinearAttention("luna", 16, 3, 16**-0.5, **options)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # off the init: DWC non-zero, projections not I
+    return layer
+
+
+@pytest.mark.parametrize("options", [{}, dict(PAPER_OPTIONS)], ids=["defaults", "paper"])
+def test_layer_takes_the_native_path_and_gives_the_pytorch_paths_outputs(kernel, monkeypatch, options):
+    q, k, v = (torch.randn(2, 3, 40, 16, requires_grad=True) for _ in range(3))
+    key_mask = torch.ones(2, 40, dtype=torch.bool)
+    key_mask[1, -7:] = False
+    grad = torch.randn(2, 3, 40, 16)
+    calls = []
+    spy = luna_kernel.native_channel_features
+    monkeypatch.setattr(luna_kernel, "native_channel_features", lambda *a, **kw: calls.append(1) or spy(*a, **kw))
+    results = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv(native.DISABLE_VARIABLE, setting)
+        layer = luna_layer(**options)
+        out = layer(q, k, v, key_mask=key_mask)
+        results.append([out.detach(), *torch.autograd.grad(out, [q, k, v, *layer.parameters()], grad)])
+    assert len(calls) == 2  # queries and keys, with the native path on; none with it off
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # measured below 1e-6
+
+
+def test_native_forward_is_one_call_per_map(kernel, monkeypatch):
+    q, k, v = (torch.randn(1, 3, 64, 16) for _ in range(3))
+    counts = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(native.DISABLE_VARIABLE, setting)
+        layer = luna_layer()
+        with torch.no_grad():
+            layer(q, k, v)  # builds and caches the tables
+            with AtenOpCounter() as ops:
+                layer(q, k, v)
+        counts[setting] = ops.total
+    # measured 31 native, 63 PyTorch (two maps: the grid search, gathers, multiply-add, relu and the norm)
+    assert counts["1"] <= counts["0"] - 25, counts
+
+
+def test_without_a_compiler_the_pytorch_path_runs_and_says_why(monkeypatch):
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    native.forget()
+    try:
+        assert luna_native.library() is None
+        assert "no C compiler" in native.unavailable_reason(luna_native.SOURCE)
+        assert not luna_kernel.native_kernel_applies(8, 8, torch.float32, torch.device("cpu"))
+        psi = bank(2, "exp")
+        u = torch.randn(2, 5, 8)
+        torch.testing.assert_close(channel_features_of(psi, u)[0], psi(u), rtol=0, atol=2e-6)
+    finally:
+        native.forget()
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
+    assert luna_native.library() is None
+    assert native.unavailable_reason(luna_native.SOURCE) == f"{native.DISABLE_VARIABLE}=0"
+
+
+def test_a_source_that_does_not_compile_gives_a_reason_and_leaves_no_file(tmp_path, monkeypatch):
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv(native.CACHE_VARIABLE, str(tmp_path / "cache"))
+    source = tmp_path / "broken.c"
+    source.write_text("int broken( {\n")
+    assert native.load_library(source) is None
+    assert "broken.c not built" in native.unavailable_reason(source)
+    assert [p.name for p in (tmp_path / "cache" / "native").iterdir()] == []
+
+
+def test_the_library_is_cached_by_its_source(tmp_path, monkeypatch):
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv(native.CACHE_VARIABLE, str(tmp_path / "cache"))
+    source = tmp_path / "twice.c"
+    source.write_text("int twice(int x) { return 2 * x; }\n")
+    lib = native.load_library(source)
+    assert lib is not None and lib.twice(21) == 42
+    built = sorted((tmp_path / "cache" / "native").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"
+    source.write_text("int twice(int x) { return x + x; }\n")
+    native.forget()
+    assert native.load_library(source).twice(4) == 8
+    assert len(list((tmp_path / "cache" / "native").iterdir())) == 2  # a changed source is built anew
+    native.forget()
+
+
+def test_limits_send_large_banks_to_the_pytorch_path():
+    assert luna_native.fits(64, 2) and luna_native.fits(8, 8)
+    assert not luna_native.fits(64, luna_native.MAX_CHANNELS + 1)
+    assert not luna_native.fits(luna_native.BLOCK + 1, 1)
+    assert not luna_native.fits(1024, 16)  # M * L over MAX_ROW
+    assert not luna_kernel.native_kernel_applies(8, 8, torch.float64, torch.device("cpu"))
+    assert Path(luna_native.SOURCE).is_file()
