@@ -50,6 +50,11 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def status() -> str:
+    """"on", or "off: <why>" (what the bench records beside its timings)."""
+    return "on" if library() is not None else f"off: {native.unavailable_reason(SOURCE)}"
+
+
 def fits(projections: int, channels: int) -> bool:
     """Whether a map of M projections and L channels is within the kernel's fixed buffers."""
     return channels <= MAX_CHANNELS and projections <= BLOCK and projections * channels <= MAX_ROW
