@@ -42,6 +42,11 @@ captures it in one graph. Compiled code builds the tables on every call (the
 cache below compares parameter values, a data-dependent branch) and searches
 with ``torch.searchsorted`` (the grid's size depends on the knots' values).
 
+On the CPU in float32, where a C compiler is, ``channel_features_of`` hands the per-token part (and
+LUNA's feature norm) to ``luna_native``: one native call per map over the same tables and the same grid
+(built with the native cell arithmetic). This module's per-token code is then the fallback (no compiler,
+``LUNA_CONVERT_NATIVE=0``, float64, CUDA, ``torch.compile``) and the native path's reference.
+
 Numerics: tables are built in float64, evaluation runs in float32 (float64
 for float64 inputs) with autocast disabled, and the result has the input's
 dtype. At a knot exactly (u == t, a set of measure zero) the value is the same
