@@ -45,14 +45,15 @@ def values_and_grads(psi: ScalarChannels, u: torch.Tensor, out: torch.Tensor, gr
     return [out.detach(), *torch.autograd.grad(out, [u, *psi.parameters()], grad.to(out.dtype))]
 
 
-@pytest.mark.parametrize("init, projections, channels, norm_eps", [
-    ("exp", 64, 2, FEATURE_NORM_EPS),  # the conversion default
-    ("random", 8, 8, None),  # the paper's form
-    ("exp", 5, 3, FEATURE_NORM_EPS),  # L that the kernel does not specialise
-    ("random", 7, 1, 0.5),
+@pytest.mark.parametrize("init, projections, channels, norm_eps, grid", [
+    ("exp", 64, 2, FEATURE_NORM_EPS, "linear"),  # the conversion default
+    ("random", 8, 8, None, "squashed"),  # the paper's form: heavy-tailed knots
+    ("exp", 5, 3, FEATURE_NORM_EPS, "linear"),  # L that the kernel does not specialise
+    ("random", 7, 1, 0.5, "linear"),
 ])
-def test_matches_the_mlp_bank_and_its_norm(kernel, init, projections, channels, norm_eps):
+def test_matches_the_mlp_bank_and_its_norm(kernel, init, projections, channels, norm_eps, grid):
     psi = bank(channels, init)
+    assert luna_kernel.knot_locator(psi, native=True).mapping == grid  # both of the kernel's cell maps are exercised
     psi64 = bank(channels, init).double()
     u = (torch.randn(2, 3, 37, projections) * 3).requires_grad_()
     u64 = u.detach().double().requires_grad_()
@@ -178,7 +179,8 @@ def test_a_source_that_does_not_compile_gives_a_reason_and_leaves_no_file(tmp_pa
     source = tmp_path / "broken.c"
     source.write_text("int broken( {\n")
     assert native.load_library(source) is None
-    assert "broken.c not built" in native.unavailable_reason(source)
+    reason = native.unavailable_reason(source)
+    assert reason.startswith("broken.c not built: ") and "error" in reason, reason
     assert [p.name for p in (tmp_path / "cache" / "native").iterdir()] == []
 
 

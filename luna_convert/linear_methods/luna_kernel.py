@@ -323,6 +323,12 @@ def _build_prepared(psi, compute: torch.dtype, scale: float, device: torch.devic
     return tables, (tuple(row_source(t) for t in tables), locator)
 
 
+def knot_locator(psi, native: bool = False) -> KnotLocator:
+    """The float32 CPU locator of the bank ``psi``'s knots (its grid built with the native cell arithmetic
+    when ``native``), as the fast paths build it."""
+    return _build_prepared(psi, torch.float32, 1.0, torch.device("cpu"), native)[1][1]
+
+
 def _distinct_knots(knots: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The distinct finite knots, and the table's rows for the intervals between them.
 

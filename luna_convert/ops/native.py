@@ -101,10 +101,15 @@ def load_library(source: Path) -> ctypes.CDLL | None:
                     raise OSError("no C compiler (set CC, or install cc, gcc or clang)")
                 _LIBRARIES[source] = ctypes.CDLL(str(_compile(source, cc)))
             except (OSError, subprocess.SubprocessError) as error:
-                detail = getattr(error, "stderr", None) or str(error)
-                _REASONS[source] = f"{source.name} not built: {detail.strip().splitlines()[-1] if detail.strip() else error}"
+                _REASONS[source] = f"{source.name} not built: {_first_error(error)}"
                 log.info("native kernel off, the PyTorch path is used: %s", _REASONS[source])
         return _LIBRARIES[source]
+
+
+def _first_error(error: Exception) -> str:
+    """The compiler's first error line (or the exception's text)."""
+    lines = [line.strip() for line in (getattr(error, "stderr", None) or "").splitlines() if line.strip()]
+    return next((line for line in lines if "error" in line), lines[-1] if lines else str(error))
 
 
 def unavailable_reason(source: Path) -> str | None:
