@@ -172,33 +172,33 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert native.unavailable_reason(luna_native.SOURCE) == f"{native.DISABLE_VARIABLE}=0"
 
 
-def test_a_source_that_does_not_compile_gives_a_reason_and_leaves_no_file(tmp_path, monkeypatch):
+@pytest.fixture
+def c_file(tmp_path, monkeypatch):
+    """A C file of the given text in tmp_path, built into tmp_path/cache; returns (source, built folder)."""
     if native.compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv(native.CACHE_VARIABLE, str(tmp_path / "cache"))
-    source = tmp_path / "broken.c"
-    source.write_text("int broken( {\n")
+    yield lambda name, text: ((tmp_path / name).write_text(text) and tmp_path / name, tmp_path / "cache" / "native")
+    native.forget()
+
+
+def test_a_source_that_does_not_compile_gives_a_reason_and_leaves_no_file(c_file):
+    source, built = c_file("broken.c", "int broken( {\n")
     assert native.load_library(source) is None
     reason = native.unavailable_reason(source)
     assert reason.startswith("broken.c not built: ") and "error" in reason, reason
-    assert [p.name for p in (tmp_path / "cache" / "native").iterdir()] == []
+    assert list(built.iterdir()) == []
 
 
-def test_the_library_is_cached_by_its_source(tmp_path, monkeypatch):
-    if native.compiler() is None:
-        pytest.skip("no C compiler")
-    monkeypatch.setenv(native.CACHE_VARIABLE, str(tmp_path / "cache"))
-    source = tmp_path / "twice.c"
-    source.write_text("int twice(int x) { return 2 * x; }\n")
+def test_the_library_is_cached_by_its_source(c_file):
+    source, built = c_file("twice.c", "int twice(int x) { return 2 * x; }\n")
     lib = native.load_library(source)
     assert lib is not None and lib.twice(21) == 42
-    built = sorted((tmp_path / "cache" / "native").iterdir())
-    assert len(built) == 1 and built[0].suffix == ".so"
-    source.write_text("int twice(int x) { return x + x; }\n")
+    assert [p.suffix for p in built.iterdir()] == [".so"]
+    c_file("twice.c", "int twice(int x) { return x + x; }\n")
     native.forget()
     assert native.load_library(source).twice(4) == 8
-    assert len(list((tmp_path / "cache" / "native").iterdir())) == 2  # a changed source is built anew
-    native.forget()
+    assert len(list(built.iterdir())) == 2  # a changed source is built anew
 
 
 def test_limits_send_large_banks_to_the_pytorch_path():
