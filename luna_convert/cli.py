@@ -335,6 +335,10 @@ def methods(
         console.print("  options (--set method_options.NAME=VALUE):")
         for option, default, text in option_table(spec.options):
             console.print(f"    {option:<22} {escape(repr(default)):<10} {escape(text)}")
+        if name == "luna":
+            from .linear_methods.luna_native import status
+
+            console.print(f"  native channel kernel (CPU, float32): {escape(status())}")
         console.print(Padding(escape(" ".join(spec.details.split())), (0, 0, 1, 2)))
 
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from luna_convert.cli import app
 from luna_convert.layers.attention import LinearAttention
 from luna_convert.linear_methods import luna_kernel, luna_native
 from luna_convert.linear_methods.luna import FEATURE_NORM_EPS, PAPER_OPTIONS, ScalarChannels
@@ -170,6 +172,9 @@ def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
     assert luna_native.library() is None
     assert native.unavailable_reason(luna_native.SOURCE) == f"{native.DISABLE_VARIABLE}=0"
+    result = CliRunner().invoke(app, ["methods", "--details"])  # where a user sees it
+    assert result.exit_code == 0 and f"native channel kernel (CPU, float32): off: {native.DISABLE_VARIABLE}=0" \
+        in " ".join(result.output.split())
 
 
 @pytest.fixture

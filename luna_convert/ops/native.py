@@ -52,8 +52,13 @@ _POOL_KEY: tuple[int, int] = (0, 0)  # (process, threads) the pool was made for:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get(CACHE_VARIABLE) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "luna_convert"
-    return Path(root) / "native"
+    if os.environ.get(CACHE_VARIABLE):
+        return Path(os.environ[CACHE_VARIABLE]) / "native"
+    try:
+        home_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except RuntimeError:  # no home directory to be found
+        home_cache = Path(tempfile.gettempdir())
+    return home_cache / "luna_convert" / "native"
 
 
 def compiler() -> str | None:
