@@ -102,6 +102,16 @@ def test_threads_split_the_rows_and_give_one_threads_result(kernel, threads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # per-chunk float64 sums, in another grouping
 
 
+def test_bfloat16_input_computes_in_float32_and_returns_bfloat16(kernel):
+    psi = bank(2, "exp")
+    u = torch.randn(2, 3, 20, 16).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = channel_features_of(psi, u, norm_eps=FEATURE_NORM_EPS)[0]
+    want = reference(psi.double(), u.double(), 1.0, FEATURE_NORM_EPS)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-3)  # bf16's rounding of the result
+
+
 def test_run_in_chunks_visits_every_row_once():
     seen = []
     native.run_in_chunks(lambda r0, r1, i: seen.append((r0, r1, i)), 103, 7)
