@@ -68,9 +68,13 @@ def native_cells(x: torch.Tensor, mapping: str, low: float, scale: float, cells:
     return out
 
 
-def _grid_args(grid: tuple) -> list:
+def _shared_args(u: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor, grid: tuple, eps: float):
+    """(rows of u, the arguments both kernel calls take after the row range: M, L, the grid, the tables, eps)."""
     mapping, low, scale, cells, start, kpad = grid
-    return [MAPPINGS[mapping], low, scale, cells, kpad.shape[0], start.data_ptr(), kpad.data_ptr()]
+    projections = u.shape[-1]
+    return u.numel() // projections, [projections, slope.shape[1], MAPPINGS[mapping], low, scale, cells,
+                                      kpad.shape[0], start.data_ptr(), kpad.data_ptr(), slope.data_ptr(),
+                                      intercept.data_ptr(), eps]
 
 
 class _NativeChannelFeatures(torch.autograd.Function):
@@ -78,9 +82,8 @@ class _NativeChannelFeatures(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, slope, intercept, grid, eps, track):
-        lib, (rows, projections), channels = library(), (u.numel() // u.shape[-1], u.shape[-1]), slope.shape[1]
-        out = torch.empty(*u.shape, channels, dtype=torch.float32)
-        head = [projections, channels, *_grid_args(grid), slope.data_ptr(), intercept.data_ptr(), eps]
+        lib, (rows, head) = library(), _shared_args(u, slope, intercept, grid, eps)
+        out = torch.empty(*u.shape, slope.shape[1], dtype=torch.float32)
         native.run_in_chunks(lambda r0, r1, _: lib.luna_channels_forward(u.data_ptr(), r0, r1, *head, out.data_ptr()),
                              rows, native.chunk_count(rows, MIN_ROWS_PER_CHUNK))
         if track:
@@ -92,14 +95,13 @@ class _NativeChannelFeatures(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         u, slope, intercept = ctx.saved_tensors
-        lib, (rows, projections), channels = library(), (u.numel() // u.shape[-1], u.shape[-1]), slope.shape[1]
+        lib, (rows, head) = library(), _shared_args(u, slope, intercept, ctx.grid, ctx.eps)
         grad_out = grad_out.to(torch.float32).contiguous()
         grad_u = torch.empty_like(u)
         chunks = native.chunk_count(rows, MIN_ROWS_PER_CHUNK)
         # Per-interval sums, one float64 table per chunk (no two threads add into one), summed after.
         sums = torch.zeros(2, chunks, *slope.shape, dtype=torch.float64)
-        head = [projections, channels, *_grid_args(ctx.grid), slope.data_ptr(), intercept.data_ptr(), ctx.eps,
-                grad_out.data_ptr(), grad_u.data_ptr()]
+        head += [grad_out.data_ptr(), grad_u.data_ptr()]
         native.run_in_chunks(lambda r0, r1, i: lib.luna_channels_backward(
             u.data_ptr(), r0, r1, *head, sums[0, i].data_ptr(), sums[1, i].data_ptr()), rows, chunks)
         grad_slope, grad_intercept = sums.sum(1).to(slope.dtype).unbind(0)
