@@ -58,16 +58,17 @@ class CosformerFeatureMap(FeatureMap):
         if prefix:
             rank = rank - prefix  # patches count from 0; prefix ranks go negative and are unused
             length = (length - prefix).clamp_min(1)
-        angle = (math.pi / 2) * rank.to(torch.float64) / length[:, None].to(torch.float64)
-        angle = angle[:, None, :, None].to(feats.dtype)  # [B or 1, 1, n, 1]
-        weighted = [feats * torch.sin(angle), feats * torch.cos(angle)]
+        angle = (math.pi / 2) * rank.to(torch.float64) / length[:, None].to(torch.float64)  # [B or 1, n]
+        trig = torch.stack([torch.sin(angle), torch.cos(angle)], -1).to(feats.dtype)  # [B or 1, n, 2]
+        # [f s | f c] in one product over a [2, d] view: no half-size products to concatenate
+        weighted = (feats.unsqueeze(-2) * trig[:, None, :, :, None]).flatten(-2)  # [B, H, n, 2d]
         if not prefix:
-            return torch.cat(weighted, -1)
+            return weighted
         is_prefix = (torch.arange(context.view.start, context.view.stop, device=x.device) < prefix)[None, None, :, None]
         zeros = torch.zeros_like(feats)
         patch_block = [zeros, feats] if context.role == "key" else [feats, zeros]
         prefix_block = [feats, zeros] if context.role == "key" else [feats, feats]
-        patch = torch.cat(weighted + patch_block, -1)
+        patch = torch.cat([weighted] + patch_block, -1)
         head = torch.cat([zeros, zeros] + prefix_block, -1)
         return torch.where(is_prefix, head, patch)
 

@@ -25,6 +25,8 @@ parameter, saved with the model (model.safetensors).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -100,14 +102,15 @@ class FlexformerFeatureMap(FeatureMap):
             half_sq_norm = x.square().sum(-1, keepdim=True) * (0.5 * self.head_dim**-0.5)  # |x|^2 / 2 sqrt(d)
             proj = torch.matmul(x, self.frequencies.to(compute).transpose(-1, -2))  # [B, H, n, m]
             if self.options.variant == "positive":
-                logits = proj - half_sq_norm
+                logits = proj.sub_(half_sq_norm)  # in place: the product keeps no output for its backward
                 if is_key:  # pads at -inf: out of the max, and exp gives exact zeros
                     logits = logits if real is None else logits.masked_fill(~real, float("-inf"))
-                    shift = logits.amax(dim=(-2, -1), keepdim=True).detach()  # one per example and head
+                    shift = logits.detach().amax(dim=(-2, -1), keepdim=True)  # one per example and head
                 else:
-                    shift = logits.amax(dim=-1, keepdim=True).detach()  # per query: cancels in its own row
-                feats = torch.exp(logits - shift.masked_fill(torch.isinf(shift), 0.0))
-                return feats * self.feature_dim**-0.5
+                    shift = logits.detach().amax(dim=-1, keepdim=True)  # per query: cancels in its own row
+                # D^(-1/2) exp(logits - shift) = exp(logits - (shift + ln(D) / 2)), in place
+                shift = shift.masked_fill(torch.isinf(shift), 0.0) + 0.5 * math.log(self.feature_dim)
+                return logits.sub_(shift).exp_()
             if self.second_frequencies is None:
                 feats = torch.cat([torch.cos(proj), torch.sin(proj)], -1) * (proj.shape[-1] ** -0.5)
             else:

@@ -79,13 +79,22 @@ class LLoPSFeatureMap(FeatureMap):
             if self.options.qk_norm:
                 x = F.layer_norm(x, x.shape[-1:], eps=1e-5)
             scale = torch.rsqrt(p * torch.exp(self.log_temperature.to(compute)) * self.head_dim**0.5)  # [H, 1, 1]
-            constant = torch.zeros_like(x[..., :1]) if self.options.homogeneous else torch.ones_like(x[..., :1])
-            x_tilde = torch.cat([constant, x * scale], -1)  # [B, H, n, d+1]
-            # <u_{h,t,l}, x~> for every factor t: [B, H, p/2, n, r]
-            projections = torch.matmul(x_tilde.unsqueeze(2), self.sketch.to(compute).transpose(-1, -2))
-            psi = projections.prod(dim=2) * self.sketch.shape[2] ** -0.5  # [B, H, n, r]
+            sketch = self.sketch.to(compute)  # [H, p/2, r, d+1]
+            b, h, n, d = x.shape
+            factors, r = sketch.shape[1], sketch.shape[2]
+            # <u, x~> = u_0 c + scale <u_1:, x> with c = x~'s constant coordinate (1, or 0 when homogeneous):
+            # scale and c folded into the sketch leave one head-major product over x as it is, for all p/2
+            # factors at once (no [c | scale x] copy of x, no copy of it per factor).
+            weight = (sketch[..., 1:] * scale[..., None]).flatten(1, 2).transpose(1, 2)  # [H, d, p/2 r]
+            x_heads = x.transpose(0, 1).reshape(h, b * n, d)  # a view of the heads split from [B, n, H d]
+            if self.options.homogeneous:
+                projections = torch.bmm(x_heads, weight)
+            else:
+                projections = torch.baddbmm(sketch[..., 0].flatten(1).unsqueeze(1), x_heads, weight)
+            # psi_l = r^-1/2 prod_t <u_{l,t}, x~>: [B, H, n, r]
+            psi = (projections.view(h, b, n, factors, r).prod(dim=-2) * r**-0.5).transpose(0, 1)
             weight = self.pair_is_diagonal.to(compute) * (1 - 2**0.5) + 2**0.5  # in compute's precision
-            return psi[..., self.pair_rows] * psi[..., self.pair_cols] * weight
+            return (psi[..., self.pair_rows] * psi[..., self.pair_cols]).mul_(weight)
 
 
 LLOPS = register(Method(
