@@ -31,15 +31,8 @@ class HedgehogFeatureMap(FeatureMap):
         return 2 * self.head_dim
 
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
-        b, h, n, d = x.shape
-        # [z | -z] from one product with [W; -W] and [b; -b] (no negated copy of z, no cat of the two
-        # softmaxes), then both softmaxes in one call over a [2, d] view. Batch-major, so the features come
-        # out contiguous [B, H, n, 2d] for the core (which would copy head-major ones when B > 1).
-        weight = torch.cat([self.weight, -self.weight], 1).transpose(1, 2)  # [H, d, 2d]
-        bias = torch.cat([self.bias, -self.bias], -1)  # [H, 1, 2d]
-        z = torch.baddbmm(bias.expand(b, h, 1, 2 * d).reshape(b * h, 1, 2 * d), x.reshape(b * h, n, d),
-                          weight.expand(b, h, d, 2 * d).reshape(b * h, d, 2 * d))  # [B H, n, 2d]
-        return torch.softmax(z.view(b * h, n, 2, d), -1).view(b, h, n, 2 * d)
+        z = torch.einsum("bhnd,hed->bhne", x, self.weight) + self.bias
+        return torch.cat([torch.softmax(z, -1), torch.softmax(-z, -1)], -1)
 
 
 HEDGEHOG = register(Method(
