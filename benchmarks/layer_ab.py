@@ -1,0 +1,99 @@
+"""One attention layer at two commits, timed in one process (docs/benchmarks.md, *Fewer passes over
+memory in the feature maps*).
+
+The package as it is at --base (a git commit) is exported beside the working tree's under another name,
+and each method's layer of both versions is timed in alternating rounds, so a change is measured
+against its parent under the same machine conditions. Reported: the fastest forward (no grad) and
+forward + backward of each version over all rounds, in ms, and new / old. On a shared machine the
+fastest run is the one least disturbed; still, differences under about 10 % are within this machine's
+run-to-run spread.
+
+    python benchmarks/layer_ab.py --base d8d930e --methods performer,flexformer --batch 1 --tokens 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+OLD_NAME = "luna_convert_base"
+
+
+def export_base(commit: str, into: Path) -> None:
+    """``luna_convert/`` at ``commit`` -> ``into/luna_convert_base`` (its imports are relative)."""
+    root = Path(__file__).resolve().parents[1]
+    archive = into / "base.tar"
+    subprocess.run(["git", "-C", str(root), "archive", "--format=tar", "-o", str(archive), commit, "luna_convert"],
+                   check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    (into / "luna_convert").rename(into / OLD_NAME)
+
+
+def fastest_ms(fn, calls: int) -> float:
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return 1000 * best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="git commit to compare the working tree against")
+    parser.add_argument("--methods", required=True, help="comma-separated bench layer names")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        export_base(args.base, Path(tmp))
+        sys.path.insert(0, tmp)
+        versions = {"old": importlib.import_module(f"{OLD_NAME}.tools.bench"),
+                    "new": importlib.import_module("luna_convert.tools.bench")}
+        shape = (args.batch, args.tokens, 12, 64)
+        q, k, v = (torch.randn(shape).transpose(1, 2) for _ in range(3))  # heads split as a model splits them
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        grad = torch.randn(args.batch, 12, args.tokens, 64)
+        for method in args.methods.split(","):
+            runs = {}
+            for name, bench in versions.items():
+                torch.manual_seed(0)
+                base, options = bench.layer_variant(method)
+                layer = bench.LinearAttention(base, 64, 12, 64**-0.5, **options)
+
+                def forward(layer=layer):
+                    with torch.no_grad():
+                        layer(q, k, v)
+
+                def train_step(layer=layer):
+                    layer(qg, kg, vg).backward(grad)
+                    qg.grad = kg.grad = vg.grad = None
+                    layer.zero_grad(set_to_none=True)
+
+                runs[name] = (forward, train_step)
+            best = {name: [float("inf"), float("inf")] for name in runs}
+            for _ in range(args.rounds):
+                for name, (forward, train_step) in runs.items():
+                    best[name][0] = min(best[name][0], fastest_ms(forward, 3))
+                    best[name][1] = min(best[name][1], fastest_ms(train_step, 2))
+            (old_f, old_fb), (new_f, new_fb) = best["old"], best["new"]
+            print(f"{method} B={args.batch} N={args.tokens}: old {old_f:.1f} / {old_fb:.1f} ms, "
+                  f"new {new_f:.1f} / {new_fb:.1f} ms, new/old forward {new_f / old_f:.2f}, "
+                  f"forward + backward {new_fb / old_fb:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
