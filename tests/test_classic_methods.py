@@ -232,3 +232,33 @@ def test_converted_models_tell_cosformer_their_prefix_tokens(arch, prefix):
     with torch.no_grad():
         logits_of(model, example_inputs(arch))
     assert seen and set(seen) == {prefix}
+
+
+def test_performer_kernel_epsilon_trains_with_the_stabilisers_detached():
+    """With kernel_epsilon > 0 the stabilisers no longer cancel exactly: the map follows performer-pytorch,
+    phi = m^(-1/2) (exp(logits - stop_gradient(c)) + kernel_epsilon), and backward must run through it."""
+    g = torch.Generator().manual_seed(3)
+    layer = layer_of("performer", kernel_epsilon=1e-3)
+    q, k, v = (torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    got = layer(q, k, v, key_mask=MASK)
+    w, m = layer.phi_q.random_features, layer.phi_q.random_features.shape[0]
+
+    def features(x, per_query):
+        xt = x / x.shape[-1] ** 0.25
+        logits = xt @ w.T - (xt**2).sum(-1, keepdim=True) / 2
+        c = logits.detach().amax(-1, keepdim=True) if per_query else logits.detach().amax()
+        return (torch.exp(logits - c) + 1e-3) / math.sqrt(m)
+
+    want = torch.zeros_like(v)
+    for b in range(2):
+        real = MASK[b].nonzero().flatten()
+        for h in range(2):
+            fq, fk = features(q[b, h, real], True), features(k[b, h, real], False)
+            weights = fq @ fk.T
+            want[b, h, real] = (weights / (weights.sum(-1, keepdim=True) + layer.eps)) @ v[b, h, real]
+    rows = MASK[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[rows], want[rows], rtol=0, atol=1e-12)
+    grad = torch.randn(got.shape, generator=g, dtype=torch.float64) * MASK[:, None, :, None]
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+        assert float(b.abs().max()) > 0
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)

@@ -26,7 +26,6 @@ parameter, saved with the model (model.safetensors).
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch

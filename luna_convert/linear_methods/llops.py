@@ -85,16 +85,16 @@ class LLoPSFeatureMap(FeatureMap):
             # <u, x~> = u_0 c + scale <u_1:, x> with c = x~'s constant coordinate (1, or 0 when homogeneous):
             # scale and c folded into the sketch leave one head-major product over x as it is, for all p/2
             # factors at once (no [c | scale x] copy of x, no copy of it per factor).
-            weight = (sketch[..., 1:] * scale[..., None]).flatten(1, 2).transpose(1, 2)  # [H, d, p/2 r]
+            sketch_weight = (sketch[..., 1:] * scale[..., None]).flatten(1, 2).transpose(1, 2)  # [H, d, p/2 r]
             x_heads = x.transpose(0, 1).reshape(h, b * n, d)  # a view of the heads split from [B, n, H d]
             if self.options.homogeneous:
-                projections = torch.bmm(x_heads, weight)
+                projections = torch.bmm(x_heads, sketch_weight)
             else:
-                projections = torch.baddbmm(sketch[..., 0].flatten(1).unsqueeze(1), x_heads, weight)
+                projections = torch.baddbmm(sketch[..., 0].flatten(1).unsqueeze(1), x_heads, sketch_weight)
             # psi_l = r^-1/2 prod_t <u_{l,t}, x~>: [B, H, n, r]
             psi = (projections.view(h, b, n, factors, r).prod(dim=-2) * r**-0.5).transpose(0, 1)
-            weight = self.pair_is_diagonal.to(compute) * (1 - 2**0.5) + 2**0.5  # in compute's precision
-            return (psi[..., self.pair_rows] * psi[..., self.pair_cols]).mul_(weight)
+            pair_weight = self.pair_is_diagonal.to(compute) * (1 - 2**0.5) + 2**0.5  # in compute's precision
+            return (psi[..., self.pair_rows] * psi[..., self.pair_cols]).mul_(pair_weight)
 
 
 LLOPS = register(Method(

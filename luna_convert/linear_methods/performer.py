@@ -105,8 +105,8 @@ class PerformerFeatureMap(FeatureMap):
                 shift = scored.amax(dim=-1, keepdim=True)  # per query: cancels in its own row
             # m^(-1/2) exp(logits - shift) = exp(logits - (shift + ln(m) / 2)), computed in place
             feats = logits.sub_(shift + 0.5 * math.log(self.feature_dim)).exp_()
-            if self.options.kernel_epsilon:
-                feats = feats.add_(self.options.kernel_epsilon * self.feature_dim**-0.5)
+            if self.options.kernel_epsilon:  # not in place: exp's backward reads its output
+                feats = feats + self.options.kernel_epsilon * self.feature_dim**-0.5
         return feats
 
 
@@ -118,7 +118,8 @@ PERFORMER = register(Method(
     details="""Confirmed (paper, performer-pytorch): phi(x) = m^-1/2 exp(W x~ - |x~|^2/2) with x~ = d^-1/4 x,
 E[phi(q).phi(k)] = exp(q.k/sqrt(d)); W [m, d] stacked orthonormal blocks (QR of a Gaussian) with chi_d row
 norms; m = int(d ln d) (266 at d = 64); one W for q, k and every head; stabilisers: per-query max for q,
-one max over keys and features for k (both cancel in the normalisation); no parameters.
+one max over keys and features for k (both cancel in the normalisation; detached, as in performer-pytorch,
+so with kernel_epsilon > 0 they pass no gradient); no parameters.
 Recipe: swap, then finetune; no distillation. W is drawn once from the recorded seed, saved in
 model.safetensors (buffer random_features), never redrawn (redrawing during finetuning adds noise).
 Derived (options, recorded in linear_attention.json): seed; the key stabiliser's max runs over the
