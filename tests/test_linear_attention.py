@@ -434,7 +434,7 @@ def streamed_and_plain(name, **kw):
 def test_stream_chunk_policy():
     t2r, luna = make_layer("t2r", 64, 12), make_layer("luna", 64, 12)
     assert t2r.stream_chunk(1, 2048) is None  # 6 MiB of features: the plain path
-    assert t2r.stream_chunk(1, 16384) == (4 << 20) // (12 * 64 * 4)  # 48 MiB: 4 MiB chunks
+    assert t2r.stream_chunk(1, 16384) == (16 << 20) // (12 * 64 * 4)  # 48 MiB: 16 MiB chunks
     assert luna.stream_chunk(1, 16384) is None  # training: its kernel already works in chunks
     assert luna.stream_chunk(1, 16384, training=False) is not None  # inference streams
     assert make_layer("luna", 64, 12, fast=False).stream_chunk(1, 16384) is not None

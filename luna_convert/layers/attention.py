@@ -115,8 +115,10 @@ class LinearAttention(nn.Module):
         # features of all tokens would exceed stream_min_bytes: glibc maps buffers over
         # 32 MiB fresh from the OS on every call, and faulting their pages in cost as much
         # as the arithmetic (16k tokens, forward: T2R 1.8x, Hedgehog 2.2x faster streamed;
-        # docs/benchmarks.md). Same values and gradients.
-        self.stream_min_bytes, self.stream_chunk_bytes = 32 << 20, 4 << 20
+        # docs/benchmarks.md). Same values and gradients. Chunks of 16 MiB stay under that threshold
+        # and cost a quarter of 4 MiB's operator calls: with another job on the machine they were
+        # 14-27 % faster in 5 of 6 cases, on an idle core the same (benchmarks/stream_chunk.py).
+        self.stream_min_bytes, self.stream_chunk_bytes = 32 << 20, 16 << 20
         self.distill_loss: torch.Tensor | None = None
 
     @property
