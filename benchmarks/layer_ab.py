@@ -45,6 +45,28 @@ def fastest_ms(fn, calls: int) -> float:
     return 1000 * best
 
 
+def layer_calls(layer, batch: int, tokens: int):
+    """(forward without gradients, forward + backward) of ``layer`` on random [batch, 12, tokens, 64] q, k, v,
+    heads split as a model splits them."""
+    import torch
+
+    shape = (batch, tokens, 12, 64)
+    q, k, v = (torch.randn(shape).transpose(1, 2) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    grad = torch.randn(batch, 12, tokens, 64)
+
+    def forward():
+        with torch.no_grad():
+            layer(q, k, v)
+
+    def train_step():
+        layer(qg, kg, vg).backward(grad)
+        qg.grad = kg.grad = vg.grad = None
+        layer.zero_grad(set_to_none=True)
+
+    return forward, train_step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git commit to compare the working tree against")
@@ -63,27 +85,13 @@ def main() -> None:
         sys.path.insert(0, tmp)
         versions = {"old": importlib.import_module(f"{OLD_NAME}.tools.bench"),
                     "new": importlib.import_module("luna_convert.tools.bench")}
-        shape = (args.batch, args.tokens, 12, 64)
-        q, k, v = (torch.randn(shape).transpose(1, 2) for _ in range(3))  # heads split as a model splits them
-        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-        grad = torch.randn(args.batch, 12, args.tokens, 64)
         for method in args.methods.split(","):
             runs = {}
             for name, bench in versions.items():
                 torch.manual_seed(0)
                 base, options = bench.layer_variant(method)
                 layer = bench.LinearAttention(base, 64, 12, 64**-0.5, **options)
-
-                def forward(layer=layer):
-                    with torch.no_grad():
-                        layer(q, k, v)
-
-                def train_step(layer=layer):
-                    layer(qg, kg, vg).backward(grad)
-                    qg.grad = kg.grad = vg.grad = None
-                    layer.zero_grad(set_to_none=True)
-
-                runs[name] = (forward, train_step)
+                runs[name] = layer_calls(layer, args.batch, args.tokens)
             best = {name: [float("inf"), float("inf")] for name in runs}
             for _ in range(args.rounds):
                 for name, (forward, train_step) in runs.items():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from layer_ab import fastest_ms  # benchmarks/ is the script's own folder, first on sys.path
+from layer_ab import fastest_ms, layer_calls  # benchmarks/ is the script's own folder, first on sys.path
 
 MIB = 1 << 20
 
@@ -40,22 +40,10 @@ def main() -> None:
         for case in args.cases.split(","):
             method, tokens = case.rsplit(":", 1)
             n = int(tokens)
-            q, k, v = (torch.randn(1, n, 12, 64).transpose(1, 2) for _ in range(3))
-            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-            grad = torch.randn(1, 12, n, 64)
             torch.manual_seed(0)
             base, options = bench.layer_variant(method)
             layer = bench.LinearAttention(base, 64, 12, 64**-0.5, **options)
-
-            def forward():
-                with torch.no_grad():
-                    layer(q, k, v)
-
-            def train_step():
-                layer(qg, kg, vg).backward(grad)
-                qg.grad = kg.grad = vg.grad = None
-                layer.zero_grad(set_to_none=True)
-
+            forward, train_step = layer_calls(layer, 1, n)
             best = {size: [float("inf"), float("inf")] for size in sizes}
             calls = {}
             for _ in range(args.rounds):
