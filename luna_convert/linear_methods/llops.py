@@ -59,11 +59,11 @@ class LLoPSFeatureMap(FeatureMap):
         # [H, p/2, r, d+1]: i.i.d. N(0, 1), PolySketch's random sketch (its 1/sqrt(r) is applied in forward)
         self.sketch = nn.Parameter(torch.randn(num_heads, factors, r, head_dim + 1, generator=generator))
         self.log_temperature = nn.Parameter(torch.zeros(num_heads, 1, 1))  # tau = 1 at init
+        # Feature f = left[left_rows[f]] * psi[right_rows[f]] with left = [psi; sqrt(2) psi]: psi_l psi_m appears
+        # twice in <psi, psi'>^2 for l != m (weight sqrt(2)), once for l == m (weight 1).
         rows, cols = upper_triangle(r)
-        self.register_buffer("pair_rows", rows, persistent=False)
-        self.register_buffer("pair_cols", cols, persistent=False)
-        # psi_l psi_m appears twice in <psi, psi'>^2 for l != m, once for l == m: weight sqrt(2) vs 1
-        self.register_buffer("pair_is_diagonal", rows == cols, persistent=False)
+        self.register_buffer("left_rows", rows + r * (rows != cols).long(), persistent=False)
+        self.register_buffer("right_rows", cols, persistent=False)
 
     @property
     def feature_dim(self) -> int:
@@ -91,10 +91,13 @@ class LLoPSFeatureMap(FeatureMap):
                 projections = torch.bmm(x_heads, sketch_weight)
             else:
                 projections = torch.baddbmm(sketch[..., 0].flatten(1).unsqueeze(1), x_heads, sketch_weight)
-            # psi_l = r^-1/2 prod_t <u_{l,t}, x~>: [B, H, n, r]
-            psi = (projections.view(h, b, n, factors, r).prod(dim=-2) * r**-0.5).transpose(0, 1)
-            pair_weight = self.pair_is_diagonal.to(compute) * (1 - 2**0.5) + 2**0.5  # in compute's precision
-            return (psi[..., self.pair_rows] * psi[..., self.pair_cols]).mul_(pair_weight)
+            # psi_l = r^-1/2 prod_t <u_{l,t}, x~>, tokens last: [B, H, r, n]
+            psi = (projections.view(h, b, n, factors, r).prod(dim=-2) * r**-0.5).permute(1, 0, 3, 2)
+            # The pairs as whole rows of [psi; sqrt(2) psi] (tokens last), returned as the [B, H, n, D] view:
+            # selecting rows is about 3x faster than gathering single elements along the last axis (see Taylor).
+            left = torch.cat([psi, psi * 2**0.5], -2)
+            features = left.index_select(-2, self.left_rows) * left[..., :r, :].index_select(-2, self.right_rows)
+            return features.transpose(-1, -2)
 
 
 LLOPS = register(Method(
