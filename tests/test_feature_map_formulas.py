@@ -196,7 +196,7 @@ FORMULAS = {
     "performer": ((performer_query_formula, performer_key_formula), False,
                   [{}, {"num_features": 9, "seed": 3}, {"kernel_epsilon": 1e-3}]),
     "cosformer": (cosformer_formula, False, [{}, {"prefix_neutral": False}]),
-    "luna": (luna_formula, False, [{}, {"fast": False}, {"shared_channels": True},
+    "luna": (luna_formula, False, [{}, {"fast": False}, {"per_head_projections": False}, {"shared_channels": True},
                                    {"shared_channels": True, "fast": False}, {"envelope": True},
                                    {"projections": 3, "channels": 5, "hidden": 7},
                                    {"per_head_projections": True, "feature_norm": "channel"},
@@ -232,8 +232,10 @@ def test_feature_map_equals_its_formula(name):
         g = torch.Generator().manual_seed(0)
         layer = LinearAttention(name, HEAD_DIM, HEADS, HEAD_DIM**-0.5, **{"dwc": False, **options}).double()
         randomise(layer, g)
-        # two sequences: a mixed-up batch and head axis shows (each is [B, H, N, d])
-        q, k = (2 * torch.randn(2, HEADS, TOKENS, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(2))
+        # two sequences: a mixed-up batch and head axis shows. q is [B, H, N, d] as it is stored, k a view of
+        # the heads split from [B, N, H * d], as the adapters pass them (maps may read that layout as it lies).
+        q = 2 * torch.randn(2, HEADS, TOKENS, HEAD_DIM, generator=g, dtype=torch.float64)
+        k = 2 * torch.randn(2, TOKENS, HEADS, HEAD_DIM, generator=g, dtype=torch.float64).transpose(1, 2)
         phi_k = layer.phi_k or layer.phi_q
         with torch.no_grad():
             got_q, got_k = layer.features(q, k)

@@ -10,6 +10,7 @@ PyTorch path runs and says why.
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,25 @@ def test_the_library_is_cached_by_its_source(c_file):
     native.forget()
     assert native.load_library(source).twice(4) == 8
     assert len(list(built.iterdir())) == 2  # a changed source is built anew
+
+
+def test_flags_the_compiler_refuses_fall_back_to_the_portable_build(c_file, monkeypatch):
+    monkeypatch.setattr(native, "TUNED_FLAGS", ("-fno-such-option-luna-convert",))
+    source, built = c_file("plain.c", "int three(void) { return 3; }\n")
+    lib = native.load_library(source)
+    assert lib is not None and lib.three() == 3
+    assert len(list(built.iterdir())) == 1
+
+
+def test_a_tuned_library_is_cached_per_cpu(c_file, monkeypatch):
+    real = native.cpu_identity()
+    assert real.startswith(platform.machine()) and ("model name" in real or "CPU part" in real or not Path("/proc/cpuinfo").exists())
+    source, built = c_file("tuned.c", "int four(void) { return 4; }\n")
+    for cpu in ("cpu one", "cpu two", "cpu one"):
+        monkeypatch.setattr(native, "cpu_identity", lambda cpu=cpu: cpu)
+        native.forget()
+        assert native.load_library(source).four() == 4
+    assert len(list(built.iterdir())) == 2  # one build per CPU, the first reused
 
 
 def test_limits_send_large_banks_to_the_pytorch_path():

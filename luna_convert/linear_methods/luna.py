@@ -274,7 +274,11 @@ class LunaFeatureMap(FeatureMap):
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """u = W x + b: [B, H, N, d] -> [B, H, N, M]."""
         if self.proj is not None:
-            return self.proj(x)
+            # Where x is a view of the heads split from [B, N, H*d] (as the adapters pass it), the Linear reads
+            # it as it lies, tokens-major, and only the narrow u is left transposed: Linear on the [B, H, N, d]
+            # view would first copy all of x.
+            tokens_major = x.transpose(1, 2)
+            return self.proj(tokens_major).transpose(1, 2) if tokens_major.is_contiguous() else self.proj(x)
         b, h, n, d = x.shape
         # Head-major, one baddbmm (bias fused): [H, B*N, d] is a view of the heads split from [B, N, H*d],
         # and for B = 1 the result is contiguous as it stands (4-D matmul copies x and W, then adds b).

@@ -7,8 +7,8 @@ reference the native one is tested against. The C sources are plain C99 without 
 compile takes well under a second and needs no build tool but ``cc``.
 
 The library is cached under ``$LUNA_CONVERT_CACHE_DIR`` (default ``~/.cache/luna_convert``) in ``native/``,
-named by a hash of the source, the flags and the compiler, so a changed source is rebuilt and a stale
-library is never loaded. It is written to a temporary name and renamed: two processes compiling at once
+named by a hash of the source, the flags, the compiler and (for a build tuned to the CPU, ``-march=native``)
+the CPU, so a changed source is rebuilt and a stale library is never loaded. It is written to a temporary name and renamed: two processes compiling at once
 both end with a whole file.
 
 Why not torch.compile or a PyTorch C++ extension: both need a C++ toolchain and tens of seconds of
@@ -41,6 +41,11 @@ CACHE_VARIABLE = "LUNA_CONVERT_CACHE_DIR"
 # -ffp-contract=off: no fused multiply-adds the compiler chooses itself, so a value goes through the same
 # float operations wherever the source computes it (the grid search of luna_channels.c relies on it).
 FLAGS = ("-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off")
+# Tried first: code for the CPU at hand. luna_channels.c's forward at LUNA's paper form (M = L = 8, its
+# division-based grid) runs 2.3x faster with AVX2 than with x86-64's baseline SSE2 (docs/benchmarks.md). Where
+# the compiler refuses it, FLAGS alone. A tuned library's name also hashes the CPU (``cpu_identity``), so a
+# cache folder shared by several machines never hands one machine another's build.
+TUNED_FLAGS = ("-march=native",)
 CHUNKS_PER_THREAD = 4
 
 log = logging.getLogger(__name__)
@@ -73,9 +78,33 @@ def disabled() -> bool:
     return os.environ.get(DISABLE_VARIABLE, "1").strip().lower() in ("0", "false", "no", "off")
 
 
+def cpu_identity() -> str:
+    """What ``-march=native`` compiles for: the architecture, and the CPU's model and feature flags where
+    Linux lists them (each distinct line once)."""
+    lines = [platform.machine(), platform.processor()]
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        cpuinfo = []
+    for line in cpuinfo:
+        if line.split(":", 1)[0].strip() in ("model name", "flags", "Features", "CPU implementer", "CPU part") \
+                and line not in lines:
+            lines.append(line)
+    return "\n".join(lines)
+
+
 def _compile(source: Path, cc: str) -> Path:
+    """The cached library of ``source``: built with TUNED_FLAGS where the compiler takes them, else without."""
+    try:
+        return _build(source, cc, FLAGS + TUNED_FLAGS, cpu_identity())
+    except subprocess.CalledProcessError:
+        return _build(source, cc, FLAGS, "")
+
+
+def _build(source: Path, cc: str, flags: tuple[str, ...], cpu: str) -> Path:
     text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), cc.encode(), platform.machine().encode()]))
+    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), cc.encode(), platform.machine().encode(),
+                                      cpu.encode()]))
     target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -83,7 +112,7 @@ def _compile(source: Path, cc: str) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so.partial", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, "-o", partial, str(source), "-lm"], check=True, capture_output=True,
+        subprocess.run([cc, *flags, "-o", partial, str(source), "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(partial, target)
     finally:
