@@ -217,6 +217,28 @@ def test_the_library_is_cached_by_its_source(c_file):
     assert len(list(built.iterdir())) == 2  # a changed source is built anew
 
 
+def test_the_build_for_this_cpu_computes_bit_for_bit_what_the_portable_build_does(kernel, tmp_path, monkeypatch):
+    """-march=native may vectorise, never reorder or fuse float operations (-ffp-contract=off): the same
+    values and gradients to the bit, so a model behaves the same on every machine's build."""
+    monkeypatch.setenv(native.CACHE_VARIABLE, str(tmp_path))
+    results = []
+    try:
+        for flags in (native.TUNED_FLAGS, ()):
+            monkeypatch.setattr(native, "TUNED_FLAGS", flags)
+            native.forget()
+            assert luna_native.library() is not None
+            run = []
+            for init, projections, channels, norm_eps in (("exp", 64, 2, FEATURE_NORM_EPS), ("random", 8, 8, None)):
+                psi = bank(channels, init)
+                u = (2 * torch.randn(2, 3, 50, projections, generator=torch.Generator().manual_seed(1))).requires_grad_()
+                out = channel_features_of(psi, u, scale=projections**-0.5, norm_eps=norm_eps)[0]
+                run += values_and_grads(psi, u, out, torch.randn(out.shape, generator=torch.Generator().manual_seed(2)))
+            results.append(run)
+    finally:
+        native.forget()
+    assert all(torch.equal(a, b) for a, b in zip(*results)), [float((a - b).abs().max()) for a, b in zip(*results)]
+
+
 def test_flags_the_compiler_refuses_fall_back_to_the_portable_build(c_file, monkeypatch):
     monkeypatch.setattr(native, "TUNED_FLAGS", ("-fno-such-option-luna-convert",))
     source, built = c_file("plain.c", "int three(void) { return 3; }\n")
