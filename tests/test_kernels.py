@@ -12,7 +12,7 @@ from luna_convert.layers.attention import LinearAttention
 from luna_convert.linear_methods.luna import PAPER_OPTIONS, LunaFeatureMap, ScalarChannels
 from luna_convert.ops.normalize import sum_normalize
 from luna_convert.linear_methods.luna_kernel import KnotLocator, channel_tables, gather_rows, row_source, scalar_channels
-from luna_convert.ops import dwc, streamed
+from luna_convert.ops import dwc, native, streamed
 from luna_convert.ops.linear import linear_attention, linear_attention_core
 from luna_convert.ops.reference import linear_attention_weights
 
@@ -300,6 +300,55 @@ def test_depthwise_conv_tokens_matches_torch_conv(grid, kernel):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13)  # measured 1.6e-14 (weight gradients up to 31)
     small = torch.randn(1, 2, *grid, channels, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, w, b: dwc.depthwise_conv_tokens(a, w, b), (small, conv.weight, conv.bias))
+
+
+def _dwc_plus_reference(x, weight, bias, addend, keep):
+    """The branch written out in float64: torch's Conv1d over x m (channels first), times m, plus addend."""
+    b, h, n, c = x.shape
+    m = torch.ones(b, n, dtype=torch.bool) if keep is None else keep
+    xm = (x.double() * m[:, None, :, None]).reshape(b * h, n, c).transpose(1, 2)
+    conv = torch.nn.functional.conv1d(xm, weight.double(), None if bias is None else bias.double(),
+                                      padding=weight.shape[-1] // 2, groups=c)
+    return (conv.transpose(1, 2).reshape(b, h, n, c) * m[:, None, :, None]) + addend.double()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_depthwise_conv_tokens_plus_native_pass_matches_the_branch(threads, monkeypatch):
+    """The native pass (no gradients) and the PyTorch ops (with them) against Conv1d written out: strided
+    x (the heads split as they lie), masks, no bias, kernel sizes 1 to 7, rows split over threads."""
+    if dwc.native_library() is None:
+        pytest.skip(native.unavailable_reason(dwc.NATIVE_SOURCE))
+    monkeypatch.setattr(dwc, "NATIVE_MIN_CHUNK", 1)  # several chunks even for these small rows
+    g = torch.Generator().manual_seed(0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for kernel, with_bias, masked in ((3, True, False), (3, True, True), (5, False, True), (1, True, False),
+                                          (7, True, True)):
+            x = torch.randn(3, 7, 4, 6, generator=g).transpose(1, 2)  # [B, H, N, C] view of [B, N, H, C]
+            weight, bias = torch.randn(6, 1, kernel, generator=g), torch.randn(6, generator=g) if with_bias else None
+            addend = torch.randn(3, 4, 7, 6, generator=g)
+            keep = torch.rand(3, 7, generator=g) > 0.3 if masked else None
+            want = _dwc_plus_reference(x, weight, bias, addend, keep)
+            with torch.no_grad():
+                fast = dwc.depthwise_conv_tokens_plus(x, weight, bias, addend, keep)
+            torch.testing.assert_close(fast.double(), want, rtol=0, atol=2e-6)  # float32 sums of k products
+            slow = dwc.depthwise_conv_tokens_plus(x, weight.requires_grad_(), bias, addend, keep)  # the ops
+            assert slow.requires_grad
+            torch.testing.assert_close(slow.detach(), fast, rtol=0, atol=1e-6)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_depthwise_conv_tokens_plus_takes_the_native_pass_only_where_it_applies(monkeypatch):
+    calls = []
+    monkeypatch.setattr(native, "run_in_chunks", lambda *a: calls.append(a))
+    x, weight, addend = torch.randn(1, 2, 5, 4), torch.randn(4, 1, 3), torch.randn(1, 2, 5, 4)
+    with torch.no_grad():
+        dwc.depthwise_conv_tokens_plus(x.double(), weight.double(), None, addend.double())  # float64: ops
+        dwc.depthwise_conv_tokens_plus(x, weight, None, addend)
+    dwc.depthwise_conv_tokens_plus(x, weight.requires_grad_(), None, addend)  # gradients: ops
+    assert len(calls) == (1 if dwc.native_library() is not None else 0)
 
 
 def test_tables_cached_under_inference_mode_are_not_saved_for_backward():

@@ -15,7 +15,7 @@ from torch import nn
 from ..linear_methods.base import FEATURE_MAP_KIND, AttentionOptions
 from ..linear_methods.registry import get_method
 from ..ops.context import AttentionContext
-from ..ops.dwc import depthwise_conv_tokens
+from ..ops.dwc import depthwise_conv_tokens, depthwise_conv_tokens_plus
 from ..ops.linear import linear_attention
 from ..ops.reference import (attention_distillation_loss, linear_attention_weights, output_distillation_loss,
                              softmax_attention, softmax_attention_weights, windowed_linear_attention_weights)
@@ -43,12 +43,16 @@ class DepthwiseConvBranch(nn.Module):
         nn.init.zeros_(self.conv.weight)
         nn.init.zeros_(self.conv.bias)
 
-    def forward(self, v, key_mask=None, grid=None, num_prefix: int = 0):
+    def forward(self, v, key_mask=None, grid=None, num_prefix: int = 0, plus: torch.Tensor | None = None):
+        """The branch's output [B, H, N, d], plus ``plus`` (the attention output) if given: for text, one
+        native pass where ``ops.dwc.depthwise_conv_tokens_plus`` can take it."""
         # ops.dwc.depthwise_conv_tokens works in the [..., tokens, d] layout of v, so
         # no channels-first copies (and a faster backward than torch's CPU depthwise conv).
         b, h, n, d = v.shape
         weight, bias = self.conv.weight.to(v.dtype), self.conv.bias.to(v.dtype)  # as autocast would run the conv
         if not self.spatial:
+            if plus is not None:
+                return depthwise_conv_tokens_plus(v, weight, bias, plus, key_mask)
             if key_mask is None:
                 return depthwise_conv_tokens(v, weight, bias)
             keep = key_mask.view(b, 1, n, 1)  # bool: the products promote it, no float copy
@@ -58,7 +62,8 @@ class DepthwiseConvBranch(nn.Module):
         if patches.shape[2] != gh * gw:
             raise ValueError(f"DWC expects {gh}x{gw} patches after {num_prefix} prefix tokens, got {patches.shape[2]}")
         out = depthwise_conv_tokens(patches.reshape(b, h, gh, gw, d), weight, bias).reshape(b, h, gh * gw, d)
-        return F.pad(out, (0, 0, num_prefix, 0))
+        out = F.pad(out, (0, 0, num_prefix, 0))
+        return out if plus is None else out.add_(plus)  # in place into the fresh output: nothing saves it
 
 
 class LinearAttention(nn.Module):
@@ -203,8 +208,8 @@ class LinearAttention(nn.Module):
             return torch.einsum("bhnm,bhmd->bhnd", teacher, v.to(teacher.dtype)).to(v.dtype)
         out = self.linear_output(q, k, v, key_mask, context)
         if self.dwc is not None:
-            # In place into the branch's fresh output (nothing saves it): one [B, H, N, d] buffer fewer.
-            out = self.dwc(v, key_mask, grid, num_prefix).add_(out)
+            # Summed into the branch's fresh output (nothing saves it): one [B, H, N, d] buffer fewer.
+            out = self.dwc(v, key_mask, grid, num_prefix, plus=out)
         return out
 
     def linear_output(self, q, k, v, key_mask, context: AttentionContext) -> torch.Tensor:

@@ -1,0 +1,53 @@
+/* The text DWC branch plus the attention output in one pass over the tokens (the native path of
+ * ops.dwc.depthwise_conv_tokens_plus; the reference is ops.dwc.depthwise_conv_tokens followed by the add).
+ *
+ * Plain C99, no PyTorch headers, float32, compiled on first use by ops/native.py. For every token
+ * r = b n + t of the rows [r0, r1) and each of its heads h (token-major, the order in which the heads
+ * split from [B, n, H C] lie in memory):
+ *
+ *     out[b, h, t, :] = addend[b, h, t, :] + keep_t (bias + sum_j w[j, :] x[b, h, t + j - K/2, :] keep_{t+j-K/2})
+ *
+ * over the taps inside [0, n) (zero padding), keep = 1 without a key mask. The sum runs in the reference's
+ * order: the bias plus the centre tap first, then the other taps from j = 0 up. Compiled with
+ * -ffp-contract=off, so no product is fused into an add the reference rounds separately.
+ *
+ * x is [B, H, n, C] with strides (sb, sh, sn, 1) in floats (the heads split from [B, n, H C] as they lie),
+ * w is [K, C] (the conv weight transposed), bias [C] or NULL, keep [B, n] bytes or NULL; addend and out
+ * are contiguous [B, H, n, C].
+ */
+#include <stdint.h>
+
+#define MAX_C 4096
+
+void dwc_tokens_forward(const float *x, int64_t r0, int64_t r1, int64_t heads, int64_t n, int64_t channels,
+                        int64_t sb, int64_t sh, int64_t sn, const float *w, int32_t taps, const float *bias,
+                        const uint8_t *keep, const float *addend, float *out) {
+    const int32_t centre = taps / 2;
+    float acc[MAX_C];
+    for (int64_t r = r0; r < r1; ++r) { /* r = b n + t: a token of one sequence, all its heads */
+        const int64_t b = r / n, t = r % n;
+        const uint8_t *kr = keep ? keep + b * n : 0;
+        for (int64_t h = 0; h < heads; ++h) {
+            const float *xr = x + b * sb + h * sh;
+            const int64_t at = ((b * heads + h) * n + t) * channels;
+            const float *ad = addend + at;
+            float *o = out + at;
+            if (kr && !kr[t]) { /* a pad: the branch is zero there, the addend passes */
+                for (int64_t c = 0; c < channels; ++c) o[c] = ad[c];
+                continue;
+            }
+            const float *xc = xr + t * sn, *wc = w + (int64_t)centre * channels;
+            for (int64_t c = 0; c < channels; ++c) {
+                float p = xc[c] * wc[c];
+                acc[c] = bias ? bias[c] + p : p;
+            }
+            for (int32_t j = 0; j < taps; ++j) {
+                const int64_t s = t + j - centre;
+                if (j == centre || s < 0 || s >= n || (kr && !kr[s])) continue;
+                const float *xs = xr + s * sn, *wj = w + (int64_t)j * channels;
+                for (int64_t c = 0; c < channels; ++c) acc[c] += xs[c] * wj[c];
+            }
+            for (int64_t c = 0; c < channels; ++c) o[c] = acc[c] + ad[c];
+        }
+    }
+}
