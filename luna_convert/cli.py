@@ -338,7 +338,10 @@ def methods(
         if name == "luna":
             from .linear_methods.luna_native import status
 
+            from .ops.dwc import native_status
+
             console.print(f"  native channel kernel (CPU, float32): {escape(status())}")
+            console.print(f"  native DWC pass (CPU, float32, no gradients): {escape(native_status())}")
         console.print(Padding(escape(" ".join(spec.details.split())), (0, 0, 1, 2)))
 
 

@@ -20,9 +20,10 @@ def record_dwc_calls(model) -> list:
     """(conv, grid, prefix, v, output) of every DWC call in ``model``."""
     calls = []
     for la in linear_attention_modules(model):
-        # the output is cloned: LinearAttention adds the attention output into it in place
+        # LinearAttention hands the branch its attention output as ``plus``, summed into the branch's output
         la.dwc.register_forward_hook(
-            lambda m, args, out: calls.append((m.conv, args[2], args[3], args[0], out.clone())))
+            lambda m, args, kwargs, out: calls.append((m.conv, args[2], args[3], args[0], out - kwargs["plus"])),
+            with_kwargs=True)
     return calls
 
 

@@ -184,8 +184,9 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert luna_native.library() is None
     assert native.unavailable_reason(luna_native.SOURCE) == f"{native.DISABLE_VARIABLE}=0"
     result = CliRunner().invoke(app, ["methods", "--details"])  # where a user sees it
-    assert result.exit_code == 0 and f"native channel kernel (CPU, float32): off: {native.DISABLE_VARIABLE}=0" \
-        in " ".join(result.output.split())
+    shown = " ".join(result.output.split())
+    assert result.exit_code == 0 and f"native channel kernel (CPU, float32): off: {native.DISABLE_VARIABLE}=0" in shown
+    assert f"native DWC pass (CPU, float32, no gradients): off: {native.DISABLE_VARIABLE}=0" in shown
 
 
 @pytest.fixture

@@ -120,6 +120,11 @@ def native_library() -> ctypes.CDLL | None:
     return lib
 
 
+def native_status() -> str:
+    """"on", or "off: <why>" (what the bench records beside its timings)."""
+    return "on" if native_library() is not None else f"off: {native.unavailable_reason(NATIVE_SOURCE)}"
+
+
 def _native_applies(x, weight, bias, addend) -> bool:
     tensors = [t for t in (x, weight, bias, addend) if t is not None]
     return (x.dim() == 4 and weight.dim() == 3 and addend.shape == x.shape and x.shape[-1] <= NATIVE_MAX_CHANNELS
