@@ -37,17 +37,11 @@ _SIGNATURES = {
     "luna_channels_forward": [_P, _I64, _I64, _I32, _I32, *_GRID, _P, _P, _F, _P],
     "luna_channels_backward": [_P, _I64, _I64, _I32, _I32, *_GRID, _P, _P, _F, _P, _P, _P, _P],
 }
-_configured: set[int] = set()
 
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (``ops.native.unavailable_reason(SOURCE)`` says why)."""
-    lib = native.load_library(SOURCE)
-    if lib is not None and id(lib) not in _configured:
-        for name, argtypes in _SIGNATURES.items():
-            getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
-        _configured.add(id(lib))
-    return lib
+    return native.load_library(SOURCE, _SIGNATURES)
 
 
 def status() -> str:

@@ -21,8 +21,8 @@ NATIVE_MAX_CHANNELS = 4096  # MAX_C of dwc_tokens.c
 # Floats of work per thread chunk at the least: below that a hand-off costs more than the pass.
 NATIVE_MIN_CHUNK = 1 << 16
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-_NATIVE_SIGNATURE = [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I32, _P, _P, _P, _P]
-_configured: set[int] = set()
+_NATIVE_SIGNATURES = {"dwc_tokens_forward": [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I32, _P, _P,
+                                               _P, _P]}
 
 # Depthwise conv backward: bytes of each per-tap product for the weight gradient.
 DWC_CHUNK_BYTES = 1 << 20
@@ -113,11 +113,7 @@ def depthwise_conv_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 def native_library() -> ctypes.CDLL | None:
     """The compiled ``dwc_tokens.c``, or None (``ops.native.unavailable_reason(NATIVE_SOURCE)`` says why)."""
-    lib = native.load_library(NATIVE_SOURCE)
-    if lib is not None and id(lib) not in _configured:
-        lib.dwc_tokens_forward.argtypes, lib.dwc_tokens_forward.restype = _NATIVE_SIGNATURE, None
-        _configured.add(id(lib))
-    return lib
+    return native.load_library(NATIVE_SOURCE, _NATIVE_SIGNATURES)
 
 
 def native_status() -> str:

@@ -8,8 +8,8 @@ compile takes well under a second and needs no build tool but ``cc``.
 
 The library is cached under ``$LUNA_CONVERT_CACHE_DIR`` (default ``~/.cache/luna_convert``) in ``native/``,
 named by a hash of the source, the flags, the compiler and (for a build tuned to the CPU, ``-march=native``)
-the CPU, so a changed source is rebuilt and a stale library is never loaded. It is written to a temporary name and renamed: two processes compiling at once
-both end with a whole file.
+the CPU, so a changed source is rebuilt and a stale library is never loaded. It is written to a temporary
+name and renamed: two processes compiling at once both end with a whole file.
 
 Why not torch.compile or a PyTorch C++ extension: both need a C++ toolchain and tens of seconds of
 compilation on first use; this needs a C compiler for a fraction of a second.
@@ -42,7 +42,7 @@ CACHE_VARIABLE = "LUNA_CONVERT_CACHE_DIR"
 # float operations wherever the source computes it (the grid search of luna_channels.c relies on it).
 FLAGS = ("-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off")
 # Tried first: code for the CPU at hand. luna_channels.c's forward at LUNA's paper form (M = L = 8, its
-# division-based grid) runs 2.3x faster with AVX2 than with x86-64's baseline SSE2 (docs/benchmarks.md). Where
+# division-based grid) runs about 3x faster with AVX2 than with x86-64's baseline SSE2 (docs/benchmarks.md). Where
 # the compiler refuses it, FLAGS alone. A tuned library's name also hashes the CPU (``cpu_identity``), so a
 # cache folder shared by several machines never hands one machine another's build.
 TUNED_FLAGS = ("-march=native",)
@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 _LIBRARIES: dict[Path, ctypes.CDLL | None] = {}
 _REASONS: dict[Path, str] = {}
+_SIGNED: set[Path] = set()  # sources whose loaded library has its argument types set
 _POOL: ThreadPoolExecutor | None = None
 _POOL_KEY: tuple[int, int] = (0, 0)  # (process, threads) the pool was made for: a forked child makes its own
 
@@ -121,9 +122,10 @@ def _build(source: Path, cc: str, flags: tuple[str, ...], cpu: str) -> Path:
     return target
 
 
-def load_library(source: Path) -> ctypes.CDLL | None:
+def load_library(source: Path, signatures: dict[str, list] | None = None) -> ctypes.CDLL | None:
     """The compiled library of the C file ``source`` (built once per machine, cached), or None when native
-    kernels are off or it cannot be built here (``unavailable_reason`` says why)."""
+    kernels are off or it cannot be built here (``unavailable_reason`` says why). ``signatures``: argument
+    types of its functions (name -> ctypes types; they return nothing), set once per loaded library."""
     if disabled():
         return None
     with _LOCK:
@@ -137,7 +139,12 @@ def load_library(source: Path) -> ctypes.CDLL | None:
             except (OSError, subprocess.SubprocessError) as error:
                 _REASONS[source] = f"{source.name} not built: {_first_error(error)}"
                 log.info("native kernel off, the PyTorch path is used: %s", _REASONS[source])
-        return _LIBRARIES[source]
+        lib = _LIBRARIES[source]
+        if lib is not None and signatures and source not in _SIGNED:
+            for name, argtypes in signatures.items():
+                getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
+            _SIGNED.add(source)
+        return lib
 
 
 def _first_error(error: Exception) -> str:
@@ -191,3 +198,4 @@ def forget() -> None:
     with _LOCK:
         _LIBRARIES.clear()
         _REASONS.clear()
+        _SIGNED.clear()
