@@ -337,7 +337,6 @@ def methods(
             console.print(f"    {option:<22} {escape(repr(default)):<10} {escape(text)}")
         if name == "luna":
             from .linear_methods.luna_native import status
-
             from .ops.dwc import native_status
 
             console.print(f"  native channel kernel (CPU, float32): {escape(status())}")

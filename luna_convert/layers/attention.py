@@ -51,12 +51,7 @@ class DepthwiseConvBranch(nn.Module):
         b, h, n, d = v.shape
         weight, bias = self.conv.weight.to(v.dtype), self.conv.bias.to(v.dtype)  # as autocast would run the conv
         if not self.spatial:
-            if plus is not None:
-                return depthwise_conv_tokens_plus(v, weight, bias, plus, key_mask)
-            if key_mask is None:
-                return depthwise_conv_tokens(v, weight, bias)
-            keep = key_mask.view(b, 1, n, 1)  # bool: the products promote it, no float copy
-            return depthwise_conv_tokens(v * keep, weight, bias).mul_(keep)
+            return depthwise_conv_tokens_plus(v, weight, bias, plus, key_mask)
         gh, gw = grid
         patches = v[:, :, num_prefix:]
         if patches.shape[2] != gh * gw:

@@ -46,7 +46,7 @@ def library() -> ctypes.CDLL | None:
 
 def status() -> str:
     """"on", or "off: <why>" (what the bench records beside its timings)."""
-    return "on" if library() is not None else f"off: {native.unavailable_reason(SOURCE)}"
+    return native.status(SOURCE, _SIGNATURES)
 
 
 def fits(projections: int, channels: int) -> bool:

@@ -118,22 +118,22 @@ def native_library() -> ctypes.CDLL | None:
 
 def native_status() -> str:
     """"on", or "off: <why>" (what the bench records beside its timings)."""
-    return "on" if native_library() is not None else f"off: {native.unavailable_reason(NATIVE_SOURCE)}"
+    return native.status(NATIVE_SOURCE, _NATIVE_SIGNATURES)
 
 
 def _native_applies(x, weight, bias, addend) -> bool:
     tensors = [t for t in (x, weight, bias, addend) if t is not None]
-    return (x.dim() == 4 and weight.dim() == 3 and addend.shape == x.shape and x.shape[-1] <= NATIVE_MAX_CHANNELS
+    return (addend is not None and x.dim() == 4 and weight.dim() == 3 and addend.shape == x.shape and x.shape[-1] <= NATIVE_MAX_CHANNELS
             and x.stride(-1) == 1 and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             and not torch.compiler.is_compiling() and native_library() is not None)
 
 
 def depthwise_conv_tokens_plus(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               addend: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+                               addend: torch.Tensor | None, keep: torch.Tensor | None = None) -> torch.Tensor:
     """``depthwise_conv_tokens(x m, weight, bias) m + addend`` for x [B, H, N, C] and a ``Conv1d`` weight
-    [C, 1, k]; m = ``keep`` [B, N] (bool, True = a real token) over the tokens, 1 without it. The DWC text
-    branch plus the attention output, as a fresh tensor.
+    [C, 1, k]; m = ``keep`` [B, N] (bool, True = a real token) over the tokens, 1 without it; no add where
+    ``addend`` is None. The DWC text branch plus the attention output, as a fresh tensor.
 
     Without gradients, on the CPU in float32, where ``ops.native`` built ``dwc_tokens.c``: one pass that
     reads x and addend once and writes the result once, instead of k + 1 full passes (about 140 against
@@ -155,7 +155,9 @@ def depthwise_conv_tokens_plus(x: torch.Tensor, weight: torch.Tensor, bias: torc
                              native.chunk_count(rows, max(1, NATIVE_MIN_CHUNK // max(1, h * c))))
         return out
     if keep is None:
-        return depthwise_conv_tokens(x, weight, bias).add_(addend)
-    keep = keep.view(x.shape[0], 1, x.shape[2], 1)  # bool: the products promote it, no float copy
-    return depthwise_conv_tokens(x * keep, weight, bias).mul_(keep).add_(addend)
+        out = depthwise_conv_tokens(x, weight, bias)
+    else:
+        keep = keep.view(x.shape[0], 1, x.shape[2], 1)  # bool: the products promote it, no float copy
+        out = depthwise_conv_tokens(x * keep, weight, bias).mul_(keep)
+    return out if addend is None else out.add_(addend)  # in place into the fresh output: nothing saves it
 

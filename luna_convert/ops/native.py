@@ -147,6 +147,11 @@ def load_library(source: Path, signatures: dict[str, list] | None = None) -> cty
         return lib
 
 
+def status(source: Path, signatures: dict[str, list] | None = None) -> str:
+    """"on" if ``source``'s library loads, else "off: <why>" (what the bench and the CLI show)."""
+    return "on" if load_library(source, signatures) is not None else f"off: {unavailable_reason(source)}"
+
+
 def _first_error(error: Exception) -> str:
     """The compiler's first error line (or the exception's text)."""
     lines = [line.strip() for line in (getattr(error, "stderr", None) or "").splitlines() if line.strip()]
