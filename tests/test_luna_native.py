@@ -165,6 +165,66 @@ def test_native_forward_is_one_call_per_map(kernel, monkeypatch):
     assert counts["1"] <= counts["0"] - 25, counts
 
 
+def split_heads(batch: int, tokens: int, heads: int, d: int, seed: int = 0) -> torch.Tensor:
+    """[B, H, N, d] as the adapters pass it: a view of the heads split from [B, N, H*d]."""
+    return torch.randn(batch, tokens, heads, d, generator=torch.Generator().manual_seed(seed)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("projections, channels, norm_eps", [
+    (8, 8, None),  # the paper's form: one vector of eight projections per row
+    (16, 2, FEATURE_NORM_EPS),  # two vectors
+    (5, 3, 0.5),  # M not a multiple of 8: the row-by-row sums
+])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_projection_inside_the_pass_matches_projecting_first(kernel, projections, channels, norm_eps, threads):
+    """x [B, H, N, d] strided as a model splits heads, B * H * N = 222 rows: full blocks, a part block, and
+    rows left over after the groups of four; float64 reference of x W^T + b through the MLP bank."""
+    psi, linear = bank(channels, "random"), torch.nn.Linear(16, projections)
+    x = 2 * split_heads(2, 37, 3, 16)
+    scale = projections**-0.5
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            out = luna_kernel.projected_channel_features_of(psi, linear.weight, linear.bias, x, scale=scale,
+                                                            norm_eps=norm_eps)[0]
+            expected = reference(bank(channels, "random").double(), x.double() @ linear.weight.double().T
+                                 + linear.bias.double(), scale, norm_eps)
+    finally:
+        torch.set_num_threads(before)
+    assert out.shape == (2, 3, 37, projections, channels) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=2e-5)
+
+
+def test_the_projection_inside_the_pass_is_for_inference_only(kernel):
+    psi, linear, x = bank(8, "random"), torch.nn.Linear(16, 8), split_heads(1, 9, 2, 16)
+    assert luna_kernel.projected_channel_features_of(psi, linear.weight, linear.bias, x) is None  # W records
+    with torch.no_grad():
+        assert luna_kernel.projected_channel_features_of(psi, linear.weight, linear.bias, x.double()) is None
+        assert luna_kernel.projected_channel_features_of(psi, linear.weight, linear.bias, x) is not None
+
+
+def test_the_paper_layer_projects_inside_the_pass_at_inference(kernel, monkeypatch):
+    q, k, v = (split_heads(2, 40, 3, 16, seed) for seed in range(3))
+    key_mask = torch.ones(2, 40, dtype=torch.bool)
+    key_mask[1, -7:] = False
+    calls, spy = [], luna_kernel.native_projected_channel_features
+    monkeypatch.setattr(luna_kernel, "native_projected_channel_features",
+                        lambda *a, **kw: calls.append(1) or spy(*a, **kw))
+    outs, counts = [], []
+    for setting in ("1", "0"):
+        monkeypatch.setenv(native.DISABLE_VARIABLE, setting)
+        layer = luna_layer(**PAPER_OPTIONS)
+        with torch.no_grad():
+            outs.append(layer(q, k, v, key_mask=key_mask))
+            with AtenOpCounter() as ops:
+                layer(q, k, v, key_mask=key_mask)
+        counts.append(ops.total)
+    assert len(calls) == 4  # queries and keys, twice, with the native path on; none with it off
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    assert counts[0] <= counts[1] - 60, counts  # measured 30 and 110
+
+
 def test_without_a_compiler_the_pytorch_path_runs_and_says_why(monkeypatch):
     monkeypatch.setattr(native, "compiler", lambda: None)
     native.forget()
@@ -234,6 +294,10 @@ def test_the_build_for_this_cpu_computes_bit_for_bit_what_the_portable_build_doe
                 u = (2 * torch.randn(2, 3, 50, projections, generator=torch.Generator().manual_seed(1))).requires_grad_()
                 out = channel_features_of(psi, u, scale=projections**-0.5, norm_eps=norm_eps)[0]
                 run += values_and_grads(psi, u, out, torch.randn(out.shape, generator=torch.Generator().manual_seed(2)))
+                linear = torch.nn.Linear(16, projections)
+                with torch.no_grad():  # the projection inside the pass: its sums over x in a fixed order too
+                    run += luna_kernel.projected_channel_features_of(psi, linear.weight, linear.bias,
+                                                                     split_heads(2, 50, 3, 16), norm_eps=norm_eps)
             results.append(run)
     finally:
         native.forget()

@@ -19,7 +19,7 @@ from torch import nn
 from ..ops.context import AttentionContext
 from ..ops.normalize import sum_normalize
 from .base import AttentionOptions, FeatureMap, Method, check_choice, check_positive_int, option
-from .luna_kernel import channel_features_of, scalar_channels_of
+from .luna_kernel import channel_features_of, projected_channel_features_of, scalar_channels_of
 from .registry import register
 
 # channel_init "exp": the channels interpolate exp(c u) on [-span, span]: EXP_INIT_SPAN for a bank built
@@ -290,11 +290,19 @@ class LunaFeatureMap(FeatureMap):
 
     def each(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The features of each of ``xs`` (queries and keys), with one set of channel tables for all."""
+        fused = self.uses_kernel and self.envelope is None
+        # 1/sqrt(M) folded into the kernel's tables, the feature norm into its pass over the tokens.
+        norm_eps = FEATURE_NORM_EPS if self.options.feature_norm == "channel" else None
+        scale = 1.0 / math.sqrt(self.projections)
+        if fused and self.proj is not None:
+            # Inference with the shared W: the projection inside the native pass too (None: not here).
+            feats = projected_channel_features_of(self.psi, self.proj.weight, self.proj.bias, *xs, scale=scale,
+                                                  norm_eps=norm_eps)
+            if feats is not None:
+                return tuple(f.flatten(-2) for f in feats)
         us = [self.project(x) for x in xs]  # [B, H, N, M] each
-        if self.uses_kernel and self.envelope is None:
-            # 1/sqrt(M) folded into the kernel's tables, the feature norm into its pass over the tokens.
-            norm_eps = FEATURE_NORM_EPS if self.options.feature_norm == "channel" else None
-            feats = channel_features_of(self.psi, *us, scale=1.0 / math.sqrt(self.projections), norm_eps=norm_eps)
+        if fused:
+            feats = channel_features_of(self.psi, *us, scale=scale, norm_eps=norm_eps)
             return tuple(f.flatten(-2) for f in feats)
         if self.uses_kernel:
             channels = scalar_channels_of(self.psi, *us, scale=1.0 / math.sqrt(self.projections))

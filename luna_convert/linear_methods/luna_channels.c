@@ -15,6 +15,7 @@
  */
 #include <stdint.h>
 #include <math.h>
+#include <string.h>
 
 #define BLOCK 1024      /* scalars located per pass; their features stay in cache for the norm */
 #define MAX_CHANNELS 64 /* L; the caller checks it */
@@ -56,33 +57,112 @@ static inline int32_t locate(const grid_t *g, float u) {
     return i;
 }
 
-static inline void forward_rows(const float *x, int64_t rows, int32_t M, const int32_t L, const grid_t *g,
-                                const float *slope, const float *intercept, float eps, float *out) {
+/* The features of `rows` rows of u [rows, M] (rows * M <= BLOCK), then the norm while they are in cache. */
+static inline void forward_block(const float *x, int64_t rows, int32_t M, const int32_t L, const grid_t *g,
+                                 const float *slope, const float *intercept, float eps, float *out) {
     int32_t idx[BLOCK];
     float sums[MAX_CHANNELS];
-    int64_t per = BLOCK / M; /* rows per block; M <= BLOCK is checked by the caller */
+    const int64_t e = rows * M;
+    for (int64_t i = 0; i < e; ++i) idx[i] = locate(g, x[i]);
+    for (int64_t i = 0; i < e; ++i) {
+        const float u = x[i];
+        const float *sl = slope + (int64_t)idx[i] * L, *ic = intercept + (int64_t)idx[i] * L;
+        float *o = out + i * L;
+        for (int32_t l = 0; l < L; ++l) {
+            float f = sl[l] * u + ic[l];
+            o[l] = f > 0.0f ? f : 0.0f;
+        }
+    }
+    if (eps < 0.0f) return;
+    for (int64_t q = 0; q < rows; ++q) {
+        float *o = out + q * (int64_t)M * L;
+        for (int32_t l = 0; l < L; ++l) sums[l] = 0.0f;
+        for (int32_t m = 0; m < M; ++m)
+            for (int32_t l = 0; l < L; ++l) sums[l] += o[m * L + l];
+        for (int32_t l = 0; l < L; ++l) sums[l] = 1.0f / (sums[l] + eps);
+        for (int32_t m = 0; m < M; ++m)
+            for (int32_t l = 0; l < L; ++l) o[m * L + l] *= sums[l];
+    }
+}
+
+static inline void forward_rows(const float *x, int64_t rows, int32_t M, const int32_t L, const grid_t *g,
+                                const float *slope, const float *intercept, float eps, float *out) {
+    const int64_t per = BLOCK / M; /* rows per block; M <= BLOCK is checked by the caller */
     for (int64_t r = 0; r < rows; r += per) {
-        int64_t re = r + per < rows ? r + per : rows, s = r * M, e = re * M;
-        for (int64_t i = s; i < e; ++i) idx[i - s] = locate(g, x[i]);
-        for (int64_t i = s; i < e; ++i) {
-            const float u = x[i];
-            const float *sl = slope + (int64_t)idx[i - s] * L, *ic = intercept + (int64_t)idx[i - s] * L;
-            float *o = out + i * L;
-            for (int32_t l = 0; l < L; ++l) {
-                float f = sl[l] * u + ic[l];
-                o[l] = f > 0.0f ? f : 0.0f;
-            }
+        const int64_t n = r + per < rows ? per : rows - r;
+        forward_block(x + r * M, n, M, L, g, slope, intercept, eps, out + r * (int64_t)M * L);
+    }
+}
+
+/* Where the rows of x [B, H, N, d] lie (any strides but the last, which is 1) and the projection
+   u = x W^T + b that LUNA's shared map puts before its channels: wt is W^T [d, M], bias [M]. */
+typedef struct {
+    const float *x;
+    int64_t heads, tokens, stride_b, stride_h, stride_n;
+    int32_t d;
+    const float *wt, *bias;
+} projection_t;
+
+/* Eight floats as one value (GCC and Clang): the projection's sums over M, eight at a time, in one vector
+   register per row. Plain loops let the compiler vectorise over x instead (gathers, then scalar adds). */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* u [4, M] of four rows, M a multiple of 8: each u[m] = b[m] + x[0] W^T[0, m] + x[1] W^T[1, m] + ... in this
+   order; four rows at a time, four independent chains of adds (one row's chain alone would wait on each
+   add's latency). */
+static inline void project_four(const float *x0, const float *x1, const float *x2, const float *x3, int32_t d,
+                                int32_t M, const float *wt, const float *bias, float *u) {
+    for (int32_t m = 0; m < M; m += 8) {
+        v8f a0 = load8(bias + m), a1 = a0, a2 = a0, a3 = a0;
+        for (int32_t j = 0; j < d; ++j) {
+            const v8f w = load8(wt + (int64_t)j * M + m);
+            a0 += x0[j] * w;
+            a1 += x1[j] * w;
+            a2 += x2[j] * w;
+            a3 += x3[j] * w;
         }
-        if (eps < 0.0f) continue;
-        for (int64_t q = r; q < re; ++q) {
-            float *o = out + q * (int64_t)M * L;
-            for (int32_t l = 0; l < L; ++l) sums[l] = 0.0f;
-            for (int32_t m = 0; m < M; ++m)
-                for (int32_t l = 0; l < L; ++l) sums[l] += o[m * L + l];
-            for (int32_t l = 0; l < L; ++l) sums[l] = 1.0f / (sums[l] + eps);
-            for (int32_t m = 0; m < M; ++m)
-                for (int32_t l = 0; l < L; ++l) o[m * L + l] *= sums[l];
-        }
+        memcpy(u + m, &a0, sizeof a0);
+        memcpy(u + M + m, &a1, sizeof a1);
+        memcpy(u + 2 * M + m, &a2, sizeof a2);
+        memcpy(u + 3 * M + m, &a3, sizeof a3);
+    }
+}
+
+static inline const float *row_of(const projection_t *p, int64_t row) {
+    const int64_t n = row % p->tokens, bh = row / p->tokens;
+    return p->x + (bh / p->heads) * p->stride_b + (bh % p->heads) * p->stride_h + n * p->stride_n;
+}
+
+static inline void project_block(const projection_t *p, int64_t r, int64_t rows, const int32_t M, float *u) {
+    int64_t q = 0;
+    if (M % 8 == 0)
+        for (; q + 4 <= rows; q += 4)
+            project_four(row_of(p, r + q), row_of(p, r + q + 1), row_of(p, r + q + 2), row_of(p, r + q + 3), p->d, M,
+                     p->wt, p->bias, u + q * M);
+    for (; q < rows; ++q) { /* the last rows of the block, one by one, in the same order */
+        const float *x = row_of(p, r + q);
+        float *o = u + q * M;
+        for (int32_t m = 0; m < M; ++m) o[m] = p->bias[m];
+        for (int32_t j = 0; j < p->d; ++j)
+            for (int32_t m = 0; m < M; ++m) o[m] += x[j] * p->wt[(int64_t)j * M + m];
+    }
+}
+
+static inline void projected_forward_rows(const projection_t *p, int64_t r0, int64_t rows, int32_t M, const int32_t L,
+                                          const grid_t *g, const float *slope, const float *intercept, float eps,
+                                          float *out) {
+    float u[BLOCK];
+    const int64_t per = BLOCK / M;
+    for (int64_t r = 0; r < rows; r += per) {
+        const int64_t n = r + per < rows ? per : rows - r;
+        project_block(p, r0 + r, n, M, u);
+        forward_block(u, n, M, L, g, slope, intercept, eps, out + r * (int64_t)M * L);
     }
 }
 
@@ -144,6 +224,18 @@ void luna_channels_forward(const float *x, int64_t r0, int64_t r1, int32_t M, in
                            const float *slope, const float *intercept, float eps, float *out) {
     grid_t g = {mapping, low, scale, cells, most, start, kpad};
     DISPATCH(L, forward_rows(x + r0 * M, r1 - r0, M, LL, &g, slope, intercept, eps, out + r0 * (int64_t)M * L))
+}
+
+/* luna_channels_forward of u = x W^T + b (see projection_t), computed here block by block: no u in memory. */
+void luna_channels_forward_projected(const float *x, int64_t heads, int64_t tokens, int64_t stride_b,
+                                     int64_t stride_h, int64_t stride_n, int32_t d, const float *wt,
+                                     const float *bias, int64_t r0, int64_t r1, int32_t M, int32_t L, int mapping,
+                                     float low, float scale, int32_t cells, int32_t most, const int32_t *start,
+                                     const float *kpad, const float *slope, const float *intercept, float eps,
+                                     float *out) {
+    grid_t g = {mapping, low, scale, cells, most, start, kpad};
+    projection_t p = {x, heads, tokens, stride_b, stride_h, stride_n, d, wt, bias};
+    DISPATCH(L, projected_forward_rows(&p, r0, r1 - r0, M, LL, &g, slope, intercept, eps, out + r0 * (int64_t)M * L))
 }
 
 void luna_channels_backward(const float *x, int64_t r0, int64_t r1, int32_t M, int32_t L, int mapping, float low,

@@ -67,7 +67,7 @@ from ..ops.dtypes import accumulation_dtype
 from ..ops.normalize import sum_normalize
 from ..ops.streamed import current_recompute_scope
 from . import luna_native
-from .luna_native import native_cells, native_channel_features
+from .luna_native import native_projected_channel_features, native_cells, native_channel_features
 
 # Grid locator: at most this many knots may share a cell (else a finer grid, then searchsorted).
 MAX_KNOTS_PER_CELL = 4
@@ -415,3 +415,23 @@ def channel_features_of(psi, *us: torch.Tensor, scale: float = 1.0,
                              for u in us)
     feats = scalar_channels_of(psi, *us, scale=scale)
     return feats if norm_eps is None else tuple(sum_normalize(f, -2, norm_eps) for f in feats)
+
+
+def projected_channel_features_of(psi, weight: torch.Tensor, bias: torch.Tensor, *xs: torch.Tensor, scale: float = 1.0,
+                                  norm_eps: float | None = None) -> tuple[torch.Tensor, ...] | None:
+    """``channel_features_of(psi, *(x W^T + b for x in xs))`` for float32 xs [B, H, N, d], W [M, d], b [M], with
+    the projection inside the native pass (``luna_native.native_projected_channel_features``): no u in
+    memory, x read where it lies. For inference: None (the caller then projects and takes
+    ``channel_features_of``) when a gradient is recorded, under autocast, or where the native kernel does
+    not apply."""
+    device = xs[0].device
+    if (torch.is_grad_enabled() and any(t.requires_grad for t in (weight, bias, *xs, *psi.parameters()))) or \
+            any(t.dtype != torch.float32 for t in (weight, bias, *xs)) or torch.is_autocast_enabled(device.type) or \
+            not native_kernel_applies(weight.shape[0], psi.channels, torch.float32, device):
+        return None
+    (slope, intercept), (_, locate) = _prepared(psi, torch.float32, float(scale), device, native=True)
+    if locate.grid is None:
+        return None
+    weight_t, bias = weight.t().contiguous(), bias.contiguous()
+    return tuple(native_projected_channel_features(x, weight_t, bias, slope, intercept, locate.grid, norm_eps)
+                 for x in xs)

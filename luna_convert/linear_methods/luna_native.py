@@ -36,6 +36,9 @@ _SIGNATURES = {
     "luna_cells": [_P, _I64, _INT, _F, _F, _I32, _P],
     "luna_channels_forward": [_P, _I64, _I64, _I32, _I32, *_GRID, _P, _P, _F, _P],
     "luna_channels_backward": [_P, _I64, _I64, _I32, _I32, *_GRID, _P, _P, _F, _P, _P, _P, _P],
+    # x, heads, tokens, its strides (batch, head, token), d, W^T, b, then luna_channels_forward's arguments
+    "luna_channels_forward_projected": [_P, _I64, _I64, _I64, _I64, _I64, _I32, _P, _P,
+                                        _I64, _I64, _I32, _I32, *_GRID, _P, _P, _F, _P],
 }
 
 
@@ -62,13 +65,11 @@ def native_cells(x: torch.Tensor, mapping: str, low: float, scale: float, cells:
     return out
 
 
-def _shared_args(u: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor, grid: tuple, eps: float):
-    """(rows of u, the arguments both kernel calls take after the row range: M, L, the grid, the tables, eps)."""
+def _shared_args(projections: int, slope: torch.Tensor, intercept: torch.Tensor, grid: tuple, eps: float):
+    """The arguments every kernel call takes after the row range: M, L, the grid, the tables, eps."""
     mapping, low, scale, cells, start, kpad = grid
-    projections = u.shape[-1]
-    return u.numel() // projections, [projections, slope.shape[1], MAPPINGS[mapping], low, scale, cells,
-                                      kpad.shape[0], start.data_ptr(), kpad.data_ptr(), slope.data_ptr(),
-                                      intercept.data_ptr(), eps]
+    return [projections, slope.shape[1], MAPPINGS[mapping], low, scale, cells, kpad.shape[0], start.data_ptr(),
+            kpad.data_ptr(), slope.data_ptr(), intercept.data_ptr(), eps]
 
 
 class _NativeChannelFeatures(torch.autograd.Function):
@@ -76,7 +77,7 @@ class _NativeChannelFeatures(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, slope, intercept, grid, eps, track):
-        lib, (rows, head) = library(), _shared_args(u, slope, intercept, grid, eps)
+        lib, rows, head = library(), u.numel() // u.shape[-1], _shared_args(u.shape[-1], slope, intercept, grid, eps)
         out = torch.empty(*u.shape, slope.shape[1], dtype=torch.float32)
         native.run_in_chunks(lambda r0, r1, _: lib.luna_channels_forward(u.data_ptr(), r0, r1, *head, out.data_ptr()),
                              rows, native.chunk_count(rows, MIN_ROWS_PER_CHUNK))
@@ -89,7 +90,8 @@ class _NativeChannelFeatures(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         u, slope, intercept = ctx.saved_tensors
-        lib, (rows, head) = library(), _shared_args(u, slope, intercept, ctx.grid, ctx.eps)
+        lib, rows = library(), u.numel() // u.shape[-1]
+        head = _shared_args(u.shape[-1], slope, intercept, ctx.grid, ctx.eps)
         grad_out = grad_out.to(torch.float32).contiguous()
         grad_u = torch.empty_like(u)
         chunks = native.chunk_count(rows, MIN_ROWS_PER_CHUNK)
@@ -111,3 +113,21 @@ def native_channel_features(u: torch.Tensor, slope: torch.Tensor, intercept: tor
     track = torch.is_grad_enabled() and (x.requires_grad or slope.requires_grad or intercept.requires_grad)
     eps = -1.0 if norm_eps is None else float(norm_eps)
     return _NativeChannelFeatures.apply(x, slope.contiguous(), intercept.contiguous(), grid, eps, track)
+
+
+def native_projected_channel_features(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor, slope: torch.Tensor,
+                                      intercept: torch.Tensor, grid: tuple, norm_eps: float | None) -> torch.Tensor:
+    """``native_channel_features`` of u = x W^T + b for x [B, H, N, d] (float32, any strides but a last of 1,
+    e.g. heads split from [B, N, H*d]), ``weight_t`` W^T [d, M] and b [M] (float32, contiguous): u is computed
+    block by block inside the pass, never written out, and x is read where it lies. No gradients: for
+    inference (``luna_kernel.projected_channel_features_of`` checks)."""
+    b, h, n, d = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    lib, rows, slope, intercept = library(), b * h * n, slope.contiguous(), intercept.contiguous()
+    head = _shared_args(weight_t.shape[1], slope, intercept, grid, -1.0 if norm_eps is None else float(norm_eps))
+    out = torch.empty(b, h, n, weight_t.shape[1], slope.shape[1], dtype=torch.float32)
+    layout = [x.data_ptr(), h, n, x.stride(0), x.stride(1), x.stride(2), d, weight_t.data_ptr(), bias.data_ptr()]
+    native.run_in_chunks(lambda r0, r1, _: lib.luna_channels_forward_projected(*layout, r0, r1, *head, out.data_ptr()),
+                         rows, native.chunk_count(rows, MIN_ROWS_PER_CHUNK))
+    return out
