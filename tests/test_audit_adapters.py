@@ -11,6 +11,7 @@ from torch import nn
 from luna_convert.adapters import key_padding_mask
 from luna_convert.conversion import convert, is_converted, linear_attention_modules
 from luna_convert.errors import ConversionError
+from luna_convert.ops.linear import divide_by_last_column
 
 from conftest import HEADS, HIDDEN, IMAGE, LAYERS, VOCAB, make_hf_vit, make_timm_vit
 from builders import randomize_dwc
@@ -21,10 +22,16 @@ def record_dwc_calls(model) -> list:
     calls = []
     for la in linear_attention_modules(model):
         # LinearAttention hands the branch its attention output as ``plus``, summed into the branch's output
+        # (before its division where ``divide`` is given: the pass divides as it adds)
         la.dwc.register_forward_hook(
-            lambda m, args, kwargs, out: calls.append((m.conv, args[2], args[3], args[0], out - kwargs["plus"])),
+            lambda m, args, kwargs, out: calls.append((m.conv, args[2], args[3], args[0], out - attention_output(kwargs))),
             with_kwargs=True)
     return calls
+
+
+def attention_output(dwc_kwargs: dict) -> torch.Tensor:
+    plus, divide = dwc_kwargs["plus"], dwc_kwargs.get("divide")
+    return plus if divide is None else divide_by_last_column(plus.clone(), *divide)
 
 
 def reference_dwc(conv: nn.Conv2d, v: torch.Tensor, grid, prefix: int) -> torch.Tensor:

@@ -184,8 +184,8 @@ def test_dwc_gets_patch_grid_and_prefix_tokens(arch, prefix, monkeypatch):
     for la in linear_attention_modules(model):
         assert la.dwc is not None and la.dwc.spatial == (prefix is not None)
         original_forward = la.dwc.forward
-        la.dwc.forward = lambda v, key_mask=None, grid=None, num_prefix=0, plus=None, f=original_forward: (
-            calls.append((grid, num_prefix)) or f(v, key_mask, grid, num_prefix, plus))
+        la.dwc.forward = lambda v, key_mask=None, grid=None, num_prefix=0, f=original_forward, **kw: (
+            calls.append((grid, num_prefix)) or f(v, key_mask, grid, num_prefix, **kw))
     with torch.no_grad():
         logits_of(model, example_inputs(arch))
     assert len(calls) == LAYERS

@@ -13,6 +13,7 @@ from luna_convert.linear_methods.luna import PAPER_OPTIONS, LunaFeatureMap, Scal
 from luna_convert.ops.normalize import sum_normalize
 from luna_convert.linear_methods.luna_kernel import KnotLocator, channel_tables, gather_rows, row_source, scalar_channels
 from luna_convert.ops import dwc, native, streamed
+from luna_convert.ops.context import AttentionContext
 from luna_convert.ops.linear import linear_attention, linear_attention_core
 from luna_convert.ops.reference import linear_attention_weights
 
@@ -338,6 +339,61 @@ def test_depthwise_conv_tokens_plus_native_pass_matches_the_branch(threads, monk
             torch.testing.assert_close(slow.detach(), fast, rtol=0, atol=1e-6)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("clamp", [False, True])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_depthwise_conv_tokens_plus_divides_the_attention_output_as_it_adds(clamp, threads, monkeypatch):
+    """``divide``: the addend is [numerator | denominator] and the pass adds numerator / (den + eps), or
+    / max(den, eps): against the branch written out in float64 plus that quotient (denominators at, below
+    and above eps, masked and not), and the PyTorch ops (``divide_by_last_column`` then the add)."""
+    if dwc.native_library() is None:
+        pytest.skip(native.unavailable_reason(dwc.NATIVE_SOURCE))
+    monkeypatch.setattr(dwc, "NATIVE_MIN_CHUNK", 1)
+    g, eps = torch.Generator().manual_seed(1), 0.25
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for masked in (False, True):
+            x = torch.randn(2, 9, 3, 5, generator=g).transpose(1, 2)
+            weight, bias = torch.randn(5, 1, 3, generator=g), torch.randn(5, generator=g)
+            num_den = torch.randn(2, 3, 9, 6, generator=g)
+            num_den[..., -1] = torch.rand(2, 3, 9, generator=g) * 2 - 0.5  # some den below eps, some <= 0
+            num_den[0, 0, 0, -1] = eps
+            keep = torch.rand(2, 9, generator=g) > 0.3 if masked else None
+            den = num_den[..., -1:].double()
+            quotient = num_den[..., :-1].double() / (den.clamp_min(eps) if clamp else den + eps)
+            want = _dwc_plus_reference(x, weight, bias, quotient, keep)
+            with torch.no_grad():
+                fast = dwc.depthwise_conv_tokens_plus(x, weight, bias, num_den.clone(), keep, (eps, clamp))
+            torch.testing.assert_close(fast.double(), want, rtol=1e-6, atol=2e-6)
+            slow = dwc.depthwise_conv_tokens_plus(x, weight.requires_grad_(), bias, num_den.clone(), keep, (eps, clamp))
+            torch.testing.assert_close(slow.detach(), fast, rtol=1e-6, atol=1e-6)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("method, options", [("luna", {}), ("luna", dict(PAPER_OPTIONS)), ("t2r", {"dwc": True})])
+def test_the_layer_divides_in_dwcs_pass_and_gives_the_same_output_to_the_bit(method, options, monkeypatch):
+    """Without gradients a text layer with DWC hands the branch the undivided output; the result equals the
+    attention output divided first and then handed to the branch, bit for bit (the same float operations)."""
+    torch.manual_seed(0)
+    layer = LinearAttention(method, 16, 3, 0.25, **options)
+    with torch.no_grad():
+        layer.dwc.conv.weight.normal_()
+        layer.dwc.conv.bias.normal_()
+    q, k, v = (torch.randn(2, 21, 3, 16).transpose(1, 2) for _ in range(3))
+    key_mask = torch.ones(2, 21, dtype=torch.bool)
+    key_mask[1, -5:] = False
+    seen = []
+    layer.dwc.register_forward_hook(lambda m, args, kwargs, out: seen.append(kwargs.get("divide")), with_kwargs=True)
+    with torch.no_grad():
+        out = layer(q, k, v, key_mask=key_mask)
+        divided_first = layer.dwc(v, key_mask, plus=layer.linear_output(q, k, v, key_mask, AttentionContext(key_mask, 21)))
+    assert seen[0] == (layer.eps, False) and seen[1] is None
+    assert torch.equal(out, divided_first)
+    q.requires_grad_()
+    assert layer.undivided_output(q, k, v, key_mask, AttentionContext(key_mask, 21)) is None  # gradients: divided first
 
 
 def test_depthwise_conv_tokens_plus_takes_the_native_pass_only_where_it_applies(monkeypatch):

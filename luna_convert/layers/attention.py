@@ -16,7 +16,7 @@ from ..linear_methods.base import FEATURE_MAP_KIND, AttentionOptions
 from ..linear_methods.registry import get_method
 from ..ops.context import AttentionContext
 from ..ops.dwc import depthwise_conv_tokens, depthwise_conv_tokens_plus
-from ..ops.linear import linear_attention
+from ..ops.linear import linear_attention, linear_attention_unnormalised
 from ..ops.reference import (attention_distillation_loss, linear_attention_weights, output_distillation_loss,
                              softmax_attention, softmax_attention_weights, windowed_linear_attention_weights)
 from ..ops.streamed import streamed_linear_attention
@@ -43,15 +43,19 @@ class DepthwiseConvBranch(nn.Module):
         nn.init.zeros_(self.conv.weight)
         nn.init.zeros_(self.conv.bias)
 
-    def forward(self, v, key_mask=None, grid=None, num_prefix: int = 0, plus: torch.Tensor | None = None):
+    def forward(self, v, key_mask=None, grid=None, num_prefix: int = 0, plus: torch.Tensor | None = None,
+                divide: tuple[float, bool] | None = None):
         """The branch's output [B, H, N, d], plus ``plus`` (the attention output) if given: for text, one
-        native pass where ``ops.dwc.depthwise_conv_tokens_plus`` can take it."""
+        native pass where ``ops.dwc.depthwise_conv_tokens_plus`` can take it. ``divide`` (eps, clamp), text
+        only: ``plus`` is the output before its division (``ops.linear.linear_attention_unnormalised``)."""
         # ops.dwc.depthwise_conv_tokens works in the [..., tokens, d] layout of v, so
         # no channels-first copies (and a faster backward than torch's CPU depthwise conv).
         b, h, n, d = v.shape
         weight, bias = self.conv.weight.to(v.dtype), self.conv.bias.to(v.dtype)  # as autocast would run the conv
         if not self.spatial:
-            return depthwise_conv_tokens_plus(v, weight, bias, plus, key_mask)
+            return depthwise_conv_tokens_plus(v, weight, bias, plus, key_mask, divide)
+        if divide is not None:
+            raise ValueError("the spatial DWC branch takes the attention output divided")
         gh, gw = grid
         patches = v[:, :, num_prefix:]
         if patches.shape[2] != gh * gw:
@@ -201,11 +205,29 @@ class LinearAttention(nn.Module):
             student = self.attention_weights(q, k, key_mask, context)
             self.distill_loss = attention_distillation_loss(teacher.detach(), student, key_mask, self.eps)
             return torch.einsum("bhnm,bhmd->bhnd", teacher, v.to(teacher.dtype)).to(v.dtype)
+        if self.dwc is not None and not self.dwc.spatial:
+            sums = self.undivided_output(q, k, v, key_mask, context)
+            if sums is not None:  # the division done in DWC's pass, as it adds: no [B, H, N, d] pass of its own
+                return self.dwc(v, key_mask, grid, num_prefix, plus=sums, divide=(self.eps, self.clamp_denominator))
         out = self.linear_output(q, k, v, key_mask, context)
         if self.dwc is not None:
             # Summed into the branch's fresh output (nothing saves it): one [B, H, N, d] buffer fewer.
             out = self.dwc(v, key_mask, grid, num_prefix, plus=out)
         return out
+
+    def needs_grad(self, *inputs: torch.Tensor) -> bool:
+        """Whether this call records a gradient (for ``inputs`` or the method's parameters)."""
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *self.method_parameters()))
+
+    def undivided_output(self, q, k, v, key_mask, context: AttentionContext) -> torch.Tensor | None:
+        """[phi(q) S | phi(q) z] (``ops.linear.linear_attention_unnormalised``) where dividing it later gives
+        ``linear_output``'s values to the bit: a feature map over the whole sequence at once (no window, not
+        streamed), float32 on the CPU, no gradients, no autocast; else None."""
+        if (self.kernel is not None or self.window or v.dtype != torch.float32 or v.device.type != "cpu"
+                or torch.is_autocast_enabled("cpu") or self.needs_grad(q, k, v)
+                or self.stream_chunk(v.shape[0], v.shape[2], training=False) is not None):
+            return None
+        return linear_attention_unnormalised(*self.features(q, k, context), v, key_mask)
 
     def linear_output(self, q, k, v, key_mask, context: AttentionContext) -> torch.Tensor:
         """The method's attention alone (no DWC branch): [B, H, N, d]."""
@@ -216,8 +238,7 @@ class LinearAttention(nn.Module):
                                             self.window, self.softmax_scale, key_mask, self.eps, self.clamp_denominator)
         else:
             params = self.method_parameters()
-            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params))
-            chunk = self.stream_chunk(v.shape[0], v.shape[2], needs_grad) if v.device.type == "cpu" else None
+            chunk = self.stream_chunk(v.shape[0], v.shape[2], self.needs_grad(q, k, v)) if v.device.type == "cpu" else None
             if chunk is None:
                 out = linear_attention(*self.features(q, k, context), v, key_mask, self.eps, self.clamp_denominator)
             else:

@@ -12,8 +12,10 @@
  * -ffp-contract=off, so no product is fused into an add the reference rounds separately.
  *
  * x is [B, H, n, C] with strides (sb, sh, sn, 1) in floats (the heads split from [B, n, H C] as they lie),
- * w is [K, C] (the conv weight transposed), bias [C] or NULL, keep [B, n] bytes or NULL; addend and out
- * are contiguous [B, H, n, C].
+ * w is [K, C] (the conv weight transposed), bias [C] or NULL, keep [B, n] bytes or NULL; out is contiguous
+ * [B, H, n, C], addend contiguous [B, H, n, C] (divide 0) or [B, H, n, C + 1] (divide 1 or 2): the linear
+ * attention's numerator and its denominator den in the last column, added as numerator * r with
+ * r = 1 / (den + eps) (divide 1) or 1 / max(den, eps) (divide 2), as ops.linear divides.
  */
 #include <stdint.h>
 
@@ -21,7 +23,7 @@
 
 void dwc_tokens_forward(const float *x, int64_t r0, int64_t r1, int64_t heads, int64_t n, int64_t channels,
                         int64_t sb, int64_t sh, int64_t sn, const float *w, int32_t taps, const float *bias,
-                        const uint8_t *keep, const float *addend, float *out) {
+                        const uint8_t *keep, const float *addend, int32_t divide, float eps, float *out) {
     const int32_t centre = taps / 2;
     float acc[MAX_C];
     for (int64_t r = r0; r < r1; ++r) { /* r = b n + t: a token of one sequence, all its heads */
@@ -29,11 +31,15 @@ void dwc_tokens_forward(const float *x, int64_t r0, int64_t r1, int64_t heads, i
         const uint8_t *kr = keep ? keep + b * n : 0;
         for (int64_t h = 0; h < heads; ++h) {
             const float *xr = x + b * sb + h * sh;
-            const int64_t at = ((b * heads + h) * n + t) * channels;
-            const float *ad = addend + at;
-            float *o = out + at;
+            const int64_t row = (b * heads + h) * n + t;
+            const float *ad = addend + row * (divide ? channels + 1 : channels);
+            float *o = out + row * channels, r = 1.0f;
+            if (divide) {
+                const float den = ad[channels];
+                r = 1.0f / (divide == 2 ? (den < eps ? eps : den) : den + eps);
+            }
             if (kr && !kr[t]) { /* a pad: the branch is zero there, the addend passes */
-                for (int64_t c = 0; c < channels; ++c) o[c] = ad[c];
+                for (int64_t c = 0; c < channels; ++c) o[c] = divide ? ad[c] * r : ad[c];
                 continue;
             }
             const float *xc = xr + t * sn, *wc = w + (int64_t)centre * channels;
@@ -47,7 +53,10 @@ void dwc_tokens_forward(const float *x, int64_t r0, int64_t r1, int64_t heads, i
                 const float *xs = xr + s * sn, *wj = w + (int64_t)j * channels;
                 for (int64_t c = 0; c < channels; ++c) acc[c] += xs[c] * wj[c];
             }
-            for (int64_t c = 0; c < channels; ++c) o[c] = acc[c] + ad[c];
+            if (divide)
+                for (int64_t c = 0; c < channels; ++c) o[c] = acc[c] + ad[c] * r;
+            else
+                for (int64_t c = 0; c < channels; ++c) o[c] = acc[c] + ad[c];
         }
     }
 }

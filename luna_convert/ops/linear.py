@@ -14,6 +14,30 @@ from .dtypes import accumulation_dtype
 from .reference import EPS
 
 
+def _sums_and_products(phi_q, phi_k, v, keep):
+    """(the batch shape, phi_q, phi_k, [m v | m], [S | z], [phi_q S | phi_q z]), the tensors 3-D over one batch
+    axis (B * H): the products of ``_LinearAttentionCore`` below, whose docstring says why they are these."""
+    # torch.bmm takes transposed operands as they are: 4-D torch.matmul would expand, copy and reshape
+    # around every product.
+    lead = torch.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
+    v_ones = torch.nn.functional.pad(v, (0, 1), value=1.0)  # [m v | m] below, a fresh contiguous tensor
+    if keep is not None:
+        v_ones.mul_(keep)
+    phi_q, phi_k, v_ones = (t.reshape(-1, *t.shape[-2:]) if t.shape[:-2] == lead else
+                            t.expand(*lead, *t.shape[-2:]).reshape(-1, *t.shape[-2:]) for t in (phi_q, phi_k, v_ones))
+    kvz = torch.bmm(phi_k.transpose(1, 2), v_ones)  # [S | z]   [BH, D, d + 1]
+    return lead, phi_q, phi_k, v_ones, kvz, torch.bmm(phi_q, kvz)  # the last [BH, N, d + 1]
+
+
+def _reciprocal_denominator(den: torch.Tensor, eps: float, clamp: bool):
+    """(1 / (den + eps), None), or with ``clamp`` (1 / max(den, eps), where den > eps: where clamped the
+    denominator passes no gradient); in place in den."""
+    if clamp:
+        unclamped = den > eps
+        return den.clamp_min_(eps).reciprocal_(), unclamped
+    return den.add_(eps).reciprocal_(), None
+
+
 class _LinearAttentionCore(torch.autograd.Function):
     """out = (phi_q S) / (phi_q z + eps) with S = phi_k^T (m v), z = phi_k^T m (per batch and head; m the
     key mask, 1 without one).
@@ -33,24 +57,9 @@ class _LinearAttentionCore(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, keep, eps, clamp):
-        # One batch axis (B * H) and torch.bmm, which takes transposed operands as they are:
-        # 4-D torch.matmul would expand, copy and reshape around every product.
-        lead = torch.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
+        lead, phi_q, phi_k, v_ones, kvz, num_den = _sums_and_products(phi_q, phi_k, v, keep)
         d = v.shape[-1]
-        v_ones = torch.nn.functional.pad(v, (0, 1), value=1.0)  # [m v | m] below, a fresh contiguous tensor
-        if keep is not None:
-            v_ones.mul_(keep)
-        phi_q, phi_k, v_ones = (t.reshape(-1, *t.shape[-2:]) if t.shape[:-2] == lead else
-                                t.expand(*lead, *t.shape[-2:]).reshape(-1, *t.shape[-2:]) for t in (phi_q, phi_k, v_ones))
-        kvz = torch.bmm(phi_k.transpose(1, 2), v_ones)  # [S | z]   [BH, D, d + 1]
-        num_den = torch.bmm(phi_q, kvz)  # [phi_q S | phi_q z]   [BH, N, d + 1]
-        den = num_den[..., d:]
-        if clamp:  # 1 / max(phi_q z, eps); where clamped, the denominator passes no gradient
-            unclamped = den > eps
-            r = den.clamp_min_(eps).reciprocal_()
-        else:  # 1 / (phi_q z + eps)
-            unclamped = None
-            r = den.add_(eps).reciprocal_()
+        r, unclamped = _reciprocal_denominator(num_den[..., d:], eps, clamp)
         out = num_den[..., :d] * r  # [BH, N, d]
         ctx.save_for_backward(phi_q, phi_k, v_ones, kvz, r, unclamped)
         ctx.lead = lead
@@ -109,3 +118,22 @@ def linear_attention(
         keep = None if key_mask is None else key_mask.view(key_mask.shape[0], 1, -1, 1)
         out = linear_attention_core(phi_q, phi_k, v, eps, clamp, keep)
     return out.to(out_dtype)
+
+
+def linear_attention_unnormalised(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                                  key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[phi(q_i)^T S | phi(q_i)^T z], [B, H, N, d + 1] in the accumulation dtype, without gradients: the
+    output before its division, for a pass that divides as it writes (``ops.dwc.depthwise_conv_tokens_plus``).
+    ``divide_by_last_column`` gives ``linear_attention``'s values from it, to the bit."""
+    compute = accumulation_dtype(phi_q, phi_k, v)
+    with torch.no_grad(), torch.autocast(device_type=v.device.type, enabled=False):
+        keep = None if key_mask is None else key_mask.view(key_mask.shape[0], 1, -1, 1)
+        lead, *_, num_den = _sums_and_products(phi_q.to(compute), phi_k.to(compute), v.to(compute), keep)
+    return num_den.view(*lead, *num_den.shape[1:])
+
+
+def divide_by_last_column(num_den: torch.Tensor, eps: float = EPS, clamp: bool = False) -> torch.Tensor:
+    """x[..., :d] / (x[..., d] + eps) (``clamp``: / max(x[..., d], eps)) for x = num_den [..., d + 1], computed as
+    the core computes it (a reciprocal, then a product); the last column is overwritten."""
+    r, _ = _reciprocal_denominator(num_den[..., -1:], eps, clamp)
+    return num_den[..., :-1] * r
