@@ -9,6 +9,7 @@ fastest run is the one least disturbed; still, differences under about 10 % are 
 run-to-run spread.
 
     python benchmarks/layer_ab.py --base d8d930e --methods performer,flexformer --batch 1 --tokens 4096
+    python benchmarks/layer_ab.py --base 989503b --methods luna --grid 64x64 --prefix 1   # a ViT's layer: DWC on the grid
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def fastest_ms(fn, calls: int) -> float:
     return 1000 * best
 
 
-def layer_calls(layer, batch: int, tokens: int):
+def layer_calls(layer, batch: int, tokens: int, **patch_layout):
     """(forward without gradients, forward + backward) of ``layer`` on random [batch, 12, tokens, 64] q, k, v,
-    heads split as a model splits them."""
+    heads split as a model splits them; ``patch_layout``: grid and num_prefix for an image layer."""
     import torch
 
     shape = (batch, tokens, 12, 64)
@@ -57,10 +58,10 @@ def layer_calls(layer, batch: int, tokens: int):
 
     def forward():
         with torch.no_grad():
-            layer(q, k, v)
+            layer(q, k, v, **patch_layout)
 
     def train_step():
-        layer(qg, kg, vg).backward(grad)
+        layer(qg, kg, vg, **patch_layout).backward(grad)
         qg.grad = kg.grad = vg.grad = None
         layer.zero_grad(set_to_none=True)
 
@@ -75,7 +76,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--grid", help="GHxGW: an image layer (spatial DWC) over this patch grid; sets --tokens")
+    parser.add_argument("--prefix", type=int, default=0, help="prefix tokens before the grid (with --grid)")
     args = parser.parse_args()
+    patch_layout = {}
+    if args.grid:
+        grid = tuple(int(side) for side in args.grid.lower().split("x"))
+        patch_layout = {"grid": grid, "num_prefix": args.prefix}
+        args.tokens = args.prefix + grid[0] * grid[1]
 
     import torch
 
@@ -90,8 +98,8 @@ def main() -> None:
             for name, bench in versions.items():
                 torch.manual_seed(0)
                 base, options = bench.layer_variant(method)
-                layer = bench.LinearAttention(base, 64, 12, 64**-0.5, **options)
-                runs[name] = layer_calls(layer, args.batch, args.tokens)
+                layer = bench.LinearAttention(base, 64, 12, 64**-0.5, spatial=bool(patch_layout), **options)
+                runs[name] = layer_calls(layer, args.batch, args.tokens, **patch_layout)
             best = {name: [float("inf"), float("inf")] for name in runs}
             for _ in range(args.rounds):
                 for name, (forward, train_step) in runs.items():

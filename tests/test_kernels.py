@@ -341,6 +341,63 @@ def test_depthwise_conv_tokens_plus_native_pass_matches_the_branch(threads, monk
         torch.set_num_threads(previous)
 
 
+def _dwc_grid_plus_reference(x, weight, bias, addend, grid, prefix):
+    """The branch over a patch grid written out in float64: torch's Conv2d over the patches (channels first),
+    nothing on the prefix tokens, plus addend."""
+    b, h, n, c = x.shape
+    patches = x[:, :, prefix:].double().reshape(b * h, *grid, c).permute(0, 3, 1, 2)
+    conv = torch.nn.functional.conv2d(patches, weight.double(), None if bias is None else bias.double(),
+                                      padding=(weight.shape[2] // 2, weight.shape[3] // 2), groups=c)
+    out = torch.nn.functional.pad(conv.permute(0, 2, 3, 1).reshape(b, h, -1, c), (0, 0, prefix, 0))
+    return out + addend.double()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_depthwise_conv_tokens_plus_native_pass_over_a_patch_grid(threads, monkeypatch):
+    """Images: the pass over a gh x gw grid after the prefix tokens (which get no branch) against Conv2d
+    written out, and the PyTorch ops against it; square and oblong grids and kernels, 0, 1 and 3 prefix
+    tokens, no bias, the division done in the pass."""
+    if dwc.native_library() is None:
+        pytest.skip(native.unavailable_reason(dwc.NATIVE_SOURCE))
+    monkeypatch.setattr(dwc, "NATIVE_MIN_CHUNK", 1)
+    g = torch.Generator().manual_seed(2)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for grid, prefix, kernel, with_bias, divided in (((4, 5), 0, (3, 3), True, False),
+                                                         ((3, 3), 1, (3, 3), True, True),
+                                                         ((4, 3), 3, (5, 3), False, False),
+                                                         ((2, 6), 1, (1, 3), True, True)):
+            n = prefix + grid[0] * grid[1]
+            x = torch.randn(2, n, 3, 6, generator=g).transpose(1, 2)
+            weight = torch.randn(6, 1, *kernel, generator=g)
+            bias = torch.randn(6, generator=g) if with_bias else None
+            addend = torch.randn(2, 3, n, 6 + divided, generator=g)
+            if divided:
+                addend[..., -1] = torch.rand(2, 3, n, generator=g) + 0.5
+                quotient = addend[..., :-1].double() / (addend[..., -1:].double() + 1e-3)
+            divide = (1e-3, False) if divided else None
+            want = _dwc_grid_plus_reference(x, weight, bias, quotient if divided else addend, grid, prefix)
+            with torch.no_grad():
+                fast = dwc.depthwise_conv_tokens_plus(x, weight, bias, addend.clone(), None, divide, grid, prefix)
+            torch.testing.assert_close(fast.double(), want, rtol=1e-6, atol=4e-6)
+            slow = dwc.depthwise_conv_tokens_plus(x, weight.requires_grad_(), bias, addend.clone(), None, divide,
+                                                  grid, prefix)
+            assert slow.requires_grad
+            torch.testing.assert_close(slow.detach(), fast, rtol=1e-6, atol=2e-6)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_depthwise_conv_tokens_plus_checks_the_grid():
+    x, weight = torch.randn(1, 2, 10, 4), torch.randn(4, 1, 3, 3)
+    with pytest.raises(ValueError, match="3x3 patches after 0 prefix tokens, got 10"):
+        dwc.depthwise_conv_tokens_plus(x, weight, None, None, grid=(3, 3))
+    with pytest.raises(ValueError, match="no key mask"):
+        dwc.depthwise_conv_tokens_plus(x, weight, None, None, torch.ones(1, 10, dtype=torch.bool), grid=(3, 3),
+                                       num_prefix=1)
+
+
 @pytest.mark.parametrize("clamp", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_depthwise_conv_tokens_plus_divides_the_attention_output_as_it_adds(clamp, threads, monkeypatch):

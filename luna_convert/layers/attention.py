@@ -9,13 +9,12 @@ hands per-head q, k, v here.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..linear_methods.base import FEATURE_MAP_KIND, AttentionOptions
 from ..linear_methods.registry import get_method
 from ..ops.context import AttentionContext
-from ..ops.dwc import depthwise_conv_tokens, depthwise_conv_tokens_plus
+from ..ops.dwc import depthwise_conv_tokens_plus
 from ..ops.linear import linear_attention, linear_attention_unnormalised
 from ..ops.reference import (attention_distillation_loss, linear_attention_weights, output_distillation_loss,
                              softmax_attention, softmax_attention_weights, windowed_linear_attention_weights)
@@ -45,24 +44,15 @@ class DepthwiseConvBranch(nn.Module):
 
     def forward(self, v, key_mask=None, grid=None, num_prefix: int = 0, plus: torch.Tensor | None = None,
                 divide: tuple[float, bool] | None = None):
-        """The branch's output [B, H, N, d], plus ``plus`` (the attention output) if given: for text, one
-        native pass where ``ops.dwc.depthwise_conv_tokens_plus`` can take it. ``divide`` (eps, clamp), text
-        only: ``plus`` is the output before its division (``ops.linear.linear_attention_unnormalised``)."""
-        # ops.dwc.depthwise_conv_tokens works in the [..., tokens, d] layout of v, so
-        # no channels-first copies (and a faster backward than torch's CPU depthwise conv).
-        b, h, n, d = v.shape
+        """The branch's output [B, H, N, d], plus ``plus`` (the attention output) if given, in one native pass
+        where ``ops.dwc.depthwise_conv_tokens_plus`` can take it. ``divide`` (eps, clamp): ``plus`` is the
+        output before its division (``ops.linear.linear_attention_unnormalised``)."""
+        # ops.dwc works in the [..., tokens, d] layout of v, so no channels-first copies (and a faster
+        # backward than torch's CPU depthwise conv).
         weight, bias = self.conv.weight.to(v.dtype), self.conv.bias.to(v.dtype)  # as autocast would run the conv
-        if not self.spatial:
-            return depthwise_conv_tokens_plus(v, weight, bias, plus, key_mask, divide)
-        if divide is not None:
-            raise ValueError("the spatial DWC branch takes the attention output divided")
-        gh, gw = grid
-        patches = v[:, :, num_prefix:]
-        if patches.shape[2] != gh * gw:
-            raise ValueError(f"DWC expects {gh}x{gw} patches after {num_prefix} prefix tokens, got {patches.shape[2]}")
-        out = depthwise_conv_tokens(patches.reshape(b, h, gh, gw, d), weight, bias).reshape(b, h, gh * gw, d)
-        out = F.pad(out, (0, 0, num_prefix, 0))
-        return out if plus is None else out.add_(plus)  # in place into the fresh output: nothing saves it
+        if self.spatial:  # images bring no key mask; the prefix tokens get no branch
+            return depthwise_conv_tokens_plus(v, weight, bias, plus, None, divide, tuple(grid), num_prefix)
+        return depthwise_conv_tokens_plus(v, weight, bias, plus, key_mask, divide)
 
 
 class LinearAttention(nn.Module):
@@ -205,7 +195,7 @@ class LinearAttention(nn.Module):
             student = self.attention_weights(q, k, key_mask, context)
             self.distill_loss = attention_distillation_loss(teacher.detach(), student, key_mask, self.eps)
             return torch.einsum("bhnm,bhmd->bhnd", teacher, v.to(teacher.dtype)).to(v.dtype)
-        if self.dwc is not None and not self.dwc.spatial:
+        if self.dwc is not None:
             sums = self.undivided_output(q, k, v, key_mask, context)
             if sums is not None:  # the division done in DWC's pass, as it adds: no [B, H, N, d] pass of its own
                 return self.dwc(v, key_mask, grid, num_prefix, plus=sums, divide=(self.eps, self.clamp_denominator))

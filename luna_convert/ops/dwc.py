@@ -2,8 +2,8 @@
 as shifted multiply-adds, with a matching backward. Its reference is torch's own depthwise
 convolution on the channels-first tensor (tests/test_kernels.py).
 
-``depthwise_conv_tokens_plus``: the text branch plus the attention output, in one native pass
-(``dwc_tokens.c``) where no gradient is recorded, else with ``depthwise_conv_tokens`` and an add."""
+``depthwise_conv_tokens_plus``: the DWC branch (text or patch grid) plus the attention output, in one
+native pass (``dwc_tokens.c``) where no gradient is recorded, else with ``depthwise_conv_tokens`` and an add."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ NATIVE_MAX_CHANNELS = 4096  # MAX_C of dwc_tokens.c
 # Floats of work per thread chunk at the least: below that a hand-off costs more than the pass.
 NATIVE_MIN_CHUNK = 1 << 16
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-_NATIVE_SIGNATURES = {"dwc_tokens_forward": [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I32, _P, _P,
-                                               _P, _I32, _F, _P]}
+_NATIVE_SIGNATURES = {"dwc_tokens_forward": [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                                               _P, _I32, _I32, _P, _P, _P, _I32, _F, _P]}
 
 # Depthwise conv backward: bytes of each per-tap product for the weight gradient.
 DWC_CHUNK_BYTES = 1 << 20
@@ -124,7 +124,7 @@ def native_status() -> str:
 
 def _native_applies(x, weight, bias, addend, divided: bool) -> bool:
     tensors = [t for t in (x, weight, bias, addend) if t is not None]
-    return (addend is not None and x.dim() == 4 and weight.dim() == 3 and x.shape[-1] <= NATIVE_MAX_CHANNELS
+    return (addend is not None and x.dim() == 4 and x.shape[-1] <= NATIVE_MAX_CHANNELS
             and addend.shape == (*x.shape[:-1], x.shape[-1] + divided) and x.stride(-1) == 1
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
@@ -133,38 +133,54 @@ def _native_applies(x, weight, bias, addend, divided: bool) -> bool:
 
 def depthwise_conv_tokens_plus(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                addend: torch.Tensor | None, keep: torch.Tensor | None = None,
-                               divide: tuple[float, bool] | None = None) -> torch.Tensor:
-    """``depthwise_conv_tokens(x m, weight, bias) m + addend`` for x [B, H, N, C] and a ``Conv1d`` weight
-    [C, 1, k]; m = ``keep`` [B, N] (bool, True = a real token) over the tokens, 1 without it; no add where
-    ``addend`` is None. The DWC text branch plus the attention output, as a fresh tensor.
+                               divide: tuple[float, bool] | None = None, grid: tuple[int, int] | None = None,
+                               num_prefix: int = 0) -> torch.Tensor:
+    """The DWC branch over x [B, H, N, C], plus ``addend`` (no add where it is None), as a fresh tensor.
+
+    Text (``grid`` None): ``depthwise_conv_tokens(x m, weight, bias) m`` with a ``Conv1d`` weight [C, 1, k];
+    m = ``keep`` [B, N] (bool, True = a real token) over the tokens, 1 without it. Images: a ``Conv2d``
+    weight [C, 1, kh, kw] over the ``grid`` (gh, gw) of patches that follow ``num_prefix`` prefix tokens
+    (CLS, registers), row-major; the prefix tokens get no branch, and there is no key mask.
 
     ``divide`` (eps, clamp): the addend is the attention output before its division, [B, H, N, C + 1]
     (``ops.linear.linear_attention_unnormalised``), and what is added is
     ``ops.linear.divide_by_last_column(addend, eps, clamp)``, the same values to the bit.
 
     Without gradients, on the CPU in float32, where ``ops.native`` built ``dwc_tokens.c``: one pass that
-    reads x and addend once and writes the result once (dividing as it goes), instead of k + 1 full passes
-    (about 140 against 40 MB at 12 heads x 4,096 tokens x 64, k = 3), or k + 3 with the division. Everywhere
-    else, and as its reference in the tests, the PyTorch ops (with gradients).
+    reads x and addend once and writes the result once (dividing as it goes), instead of a pass per tap,
+    one for the add and two for the division (about 140 against 40 MB for text at 12 heads x 4,096 tokens
+    x 64, k = 3). Everywhere else, and as its reference in the tests, the PyTorch ops (with gradients).
     """
+    b, h, n, c = x.shape
+    if grid is not None:
+        if keep is not None:
+            raise ValueError("the DWC branch over a patch grid takes no key mask")
+        if n - num_prefix != grid[0] * grid[1]:
+            raise ValueError(f"DWC expects {grid[0]}x{grid[1]} patches after {num_prefix} prefix tokens, "
+                             f"got {n - num_prefix}")
     if _native_applies(x, weight, bias, addend, divide is not None):
-        b, h, n, c = x.shape
         out = torch.empty(x.shape, dtype=torch.float32)
         addend = addend.contiguous()
-        taps = weight.reshape(c, -1).t().contiguous()  # [k, C]: each tap's weights contiguous over channels
+        taps = weight.reshape(c, -1).t().contiguous()  # [kh kw, C]: each tap's weights contiguous over channels
         bias = None if bias is None else bias.contiguous()
         keep = None if keep is None else keep.to(torch.uint8).contiguous()
         sb, sh, sn = x.stride()[:3]
+        (grid_h, grid_w), (kh, kw) = grid or (1, n), weight.shape[2:] if grid is not None else (1, weight.shape[-1])
         lib, rows = native_library(), b * n  # a thread's rows: tokens, all heads of each
         mode, eps = (0, 0.0) if divide is None else (2 if divide[1] else 1, float(divide[0]))
-        args = [h, n, c, sb, sh, sn, taps.data_ptr(), taps.shape[0], 0 if bias is None else bias.data_ptr(),
-                0 if keep is None else keep.data_ptr(), addend.data_ptr(), mode, eps, out.data_ptr()]
+        args = [h, n, c, sb, sh, sn, num_prefix if grid is not None else 0, grid_h, grid_w, taps.data_ptr(), kh, kw,
+                0 if bias is None else bias.data_ptr(), 0 if keep is None else keep.data_ptr(), addend.data_ptr(),
+                mode, eps, out.data_ptr()]
         native.run_in_chunks(lambda r0, r1, _: lib.dwc_tokens_forward(x.data_ptr(), r0, r1, *args), rows,
                              native.chunk_count(rows, max(1, NATIVE_MIN_CHUNK // max(1, h * c))))
         return out
     if divide is not None:
         addend = divide_by_last_column(addend, *divide)
-    if keep is None:
+    if grid is not None:
+        patches = x[:, :, num_prefix:].reshape(b, h, *grid, c)
+        out = torch.nn.functional.pad(depthwise_conv_tokens(patches, weight, bias).reshape(b, h, -1, c),
+                                      (0, 0, num_prefix, 0))
+    elif keep is None:
         out = depthwise_conv_tokens(x, weight, bias)
     else:
         keep = keep.view(x.shape[0], 1, x.shape[2], 1)  # bool: the products promote it, no float copy
