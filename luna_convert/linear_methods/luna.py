@@ -305,7 +305,7 @@ class LunaFeatureMap(FeatureMap):
             feats = channel_features_of(self.psi, *us, scale=scale, norm_eps=norm_eps)
             return tuple(f.flatten(-2) for f in feats)
         if self.uses_kernel:
-            channels = scalar_channels_of(self.psi, *us, scale=1.0 / math.sqrt(self.projections))
+            channels = scalar_channels_of(self.psi, *us, scale=scale)
         else:
             channels = [self.psi(u) / math.sqrt(self.projections) for u in us]  # [B, H, N, M, L] each
         return tuple(self.finish(feats, x) for feats, x in zip(channels, xs))
