@@ -393,6 +393,8 @@ def test_depthwise_conv_tokens_plus_checks_the_grid():
     x, weight = torch.randn(1, 2, 10, 4), torch.randn(4, 1, 3, 3)
     with pytest.raises(ValueError, match="3x3 patches after 0 prefix tokens, got 10"):
         dwc.depthwise_conv_tokens_plus(x, weight, None, None, grid=(3, 3))
+    with pytest.raises(ValueError, match="a Conv2d weight is needed"):
+        dwc.depthwise_conv_tokens_plus(x, torch.randn(4, 1, 3), None, None, grid=(2, 5))
     with pytest.raises(ValueError, match="no key mask"):
         dwc.depthwise_conv_tokens_plus(x, weight, None, None, torch.ones(1, 10, dtype=torch.bool), grid=(3, 3),
                                        num_prefix=1)

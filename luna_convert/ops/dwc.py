@@ -152,6 +152,8 @@ def depthwise_conv_tokens_plus(x: torch.Tensor, weight: torch.Tensor, bias: torc
     x 64, k = 3). Everywhere else, and as its reference in the tests, the PyTorch ops (with gradients).
     """
     b, h, n, c = x.shape
+    if weight.dim() != (3 if grid is None else 4):
+        raise ValueError(f"a {'Conv1d' if grid is None else 'Conv2d'} weight is needed, got {tuple(weight.shape)}")
     if grid is not None:
         if keep is not None:
             raise ValueError("the DWC branch over a patch grid takes no key mask")

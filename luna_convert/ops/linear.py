@@ -29,6 +29,11 @@ def _sums_and_products(phi_q, phi_k, v, keep):
     return lead, phi_q, phi_k, v_ones, kvz, torch.bmm(phi_q, kvz)  # the last [BH, N, d + 1]
 
 
+def _keys_kept(key_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A [B, N] key mask as the core's ``keep``, [B, 1, N, 1] (None stays None)."""
+    return None if key_mask is None else key_mask.view(key_mask.shape[0], 1, -1, 1)
+
+
 def _reciprocal_denominator(den: torch.Tensor, eps: float, clamp: bool):
     """(1 / (den + eps), None), or with ``clamp`` (1 / max(den, eps), where den > eps: where clamped the
     denominator passes no gradient); in place in den."""
@@ -115,8 +120,7 @@ def linear_attention(
     out_dtype, compute = v.dtype, accumulation_dtype(phi_q, phi_k, v)
     with torch.autocast(device_type=v.device.type, enabled=False):
         phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
-        keep = None if key_mask is None else key_mask.view(key_mask.shape[0], 1, -1, 1)
-        out = linear_attention_core(phi_q, phi_k, v, eps, clamp, keep)
+        out = linear_attention_core(phi_q, phi_k, v, eps, clamp, _keys_kept(key_mask))
     return out.to(out_dtype)
 
 
@@ -127,8 +131,8 @@ def linear_attention_unnormalised(phi_q: torch.Tensor, phi_k: torch.Tensor, v: t
     ``divide_by_last_column`` gives ``linear_attention``'s values from it, to the bit."""
     compute = accumulation_dtype(phi_q, phi_k, v)
     with torch.no_grad(), torch.autocast(device_type=v.device.type, enabled=False):
-        keep = None if key_mask is None else key_mask.view(key_mask.shape[0], 1, -1, 1)
-        lead, *_, num_den = _sums_and_products(phi_q.to(compute), phi_k.to(compute), v.to(compute), keep)
+        lead, *_, num_den = _sums_and_products(phi_q.to(compute), phi_k.to(compute), v.to(compute),
+                                               _keys_kept(key_mask))
     return num_den.view(*lead, *num_den.shape[1:])
 
 
