@@ -167,10 +167,11 @@ def depthwise_conv_tokens_plus(x: torch.Tensor, weight: torch.Tensor, bias: torc
         bias = None if bias is None else bias.contiguous()
         keep = None if keep is None else keep.to(torch.uint8).contiguous()
         sb, sh, sn = x.stride()[:3]
-        (grid_h, grid_w), (kh, kw) = grid or (1, n), weight.shape[2:] if grid is not None else (1, weight.shape[-1])
+        # (prefix, grid_h, grid_w, kh, kw): text is the grid 1 x N without a prefix, its kernel 1 x k
+        prefix, grid_h, grid_w, kh, kw = (num_prefix, *grid, *weight.shape[2:]) if grid else (0, 1, n, 1, weight.shape[2])
         lib, rows = native_library(), b * n  # a thread's rows: tokens, all heads of each
         mode, eps = (0, 0.0) if divide is None else (2 if divide[1] else 1, float(divide[0]))
-        args = [h, n, c, sb, sh, sn, num_prefix if grid is not None else 0, grid_h, grid_w, taps.data_ptr(), kh, kw,
+        args = [h, n, c, sb, sh, sn, prefix, grid_h, grid_w, taps.data_ptr(), kh, kw,
                 0 if bias is None else bias.data_ptr(), 0 if keep is None else keep.data_ptr(), addend.data_ptr(),
                 mode, eps, out.data_ptr()]
         native.run_in_chunks(lambda r0, r1, _: lib.dwc_tokens_forward(x.data_ptr(), r0, r1, *args), rows,
