@@ -15,18 +15,21 @@ from .reference import EPS
 
 
 def _sums_and_products(phi_q, phi_k, v, keep):
-    """(the batch shape, phi_q, phi_k, [m v | m], [S | z], [phi_q S | phi_q z]), the tensors 3-D over one batch
-    axis (B * H): the products of ``_LinearAttentionCore`` below, whose docstring says why they are these."""
-    # torch.bmm takes transposed operands as they are: 4-D torch.matmul would expand, copy and reshape
-    # around every product.
+    """(the batch shape, phi_q, phi_k, the values, [S | z], [phi_q S | phi_q z]), the tensors 3-D over one batch
+    axis (B * H): the products of ``_LinearAttentionCore`` below, whose docstring says why they are these.
+    The values are v as given without a key mask, else [m v | m]."""
+    # torch.bmm takes transposed and strided operands as they are: 4-D torch.matmul would expand, copy and
+    # reshape around every product.
     lead = torch.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
-    v_ones = torch.nn.functional.pad(v, (0, 1), value=1.0)  # [m v | m] below, a fresh contiguous tensor
     if keep is not None:
-        v_ones.mul_(keep)
-    phi_q, phi_k, v_ones = (t.reshape(-1, *t.shape[-2:]) if t.shape[:-2] == lead else
-                            t.expand(*lead, *t.shape[-2:]).reshape(-1, *t.shape[-2:]) for t in (phi_q, phi_k, v_ones))
-    kvz = torch.bmm(phi_k.transpose(1, 2), v_ones)  # [S | z]   [BH, D, d + 1]
-    return lead, phi_q, phi_k, v_ones, kvz, torch.bmm(phi_q, kvz)  # the last [BH, N, d + 1]
+        v = torch.nn.functional.pad(v, (0, 1), value=1.0).mul_(keep)  # [m v | m]: a fresh contiguous tensor
+    phi_q, phi_k, v = (t.reshape(-1, *t.shape[-2:]) if t.shape[:-2] == lead else
+                       t.expand(*lead, *t.shape[-2:]).reshape(-1, *t.shape[-2:]) for t in (phi_q, phi_k, v))
+    if keep is None:  # z as a sum: a 65th column of ones would cost a copy of v and a slower product
+        kvz = torch.cat([torch.bmm(phi_k.transpose(1, 2), v), phi_k.sum(1).unsqueeze_(-1)], -1)
+    else:
+        kvz = torch.bmm(phi_k.transpose(1, 2), v)  # [S | z]   [BH, D, d + 1]
+    return lead, phi_q, phi_k, v, kvz, torch.bmm(phi_q, kvz)  # the last [BH, N, d + 1]
 
 
 def _keys_kept(key_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -47,10 +50,12 @@ class _LinearAttentionCore(torch.autograd.Function):
     """out = (phi_q S) / (phi_q z + eps) with S = phi_k^T (m v), z = phi_k^T m (per batch and head; m the
     key mask, 1 without one).
 
-    Numerator and denominator come from one pair of products: the values get a column of ones
-    appended (and are multiplied by the mask, which removes the pad keys as zeroing phi_k would),
-    so [S | z] = phi_k^T [m v | m] and [phi_q S | phi_q z] = phi_q [S | z]. That is fewer operator
-    calls than separate sums and products, and no masked copy of phi_k.
+    Numerator and denominator come from one product with [S | z]: [phi_q S | phi_q z] = phi_q [S | z].
+    Without a key mask z is phi_k's sum over tokens and S = phi_k^T v, v read where it lies (a ones
+    column on v would cost a copy of v and, on one core, about 1.5 ms of 13 in the products at
+    12 x 4,096 x 64). With a mask the values get a column of ones appended and are multiplied by the
+    mask, which removes the pad keys as zeroing phi_k would: [S | z] = phi_k^T [m v | m], and no
+    masked copy of phi_k.
 
     A hand-written backward: autograd's version of the division and the slicing
     makes several extra full passes over [N, d] tensors, which at long N run
@@ -62,19 +67,19 @@ class _LinearAttentionCore(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, keep, eps, clamp):
-        lead, phi_q, phi_k, v_ones, kvz, num_den = _sums_and_products(phi_q, phi_k, v, keep)
+        lead, phi_q, phi_k, values, kvz, num_den = _sums_and_products(phi_q, phi_k, v, keep)
         d = v.shape[-1]
         r, unclamped = _reciprocal_denominator(num_den[..., d:], eps, clamp)
         out = num_den[..., :d] * r  # [BH, N, d]
-        ctx.save_for_backward(phi_q, phi_k, v_ones, kvz, r, unclamped)
+        ctx.save_for_backward(phi_q, phi_k, values, kvz, r, unclamped)
         ctx.lead = lead
         return out.view(*lead, *out.shape[1:])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        phi_q, phi_k, v_ones, kvz, r, unclamped = ctx.saved_tensors
-        lead, d = ctx.lead, v_ones.shape[-1] - 1
+        phi_q, phi_k, values, kvz, r, unclamped = ctx.saved_tensors
+        lead, d = ctx.lead, kvz.shape[-1] - 1
         kv_t, z = kvz[..., :d].transpose(1, 2), kvz[..., d:].transpose(1, 2)  # S^T [BH, d, D], z^T [BH, 1, D]
         grad_num = grad_out.reshape(r.shape[0], *grad_out.shape[-2:]) * r  # d loss / d (phi_q S)   [BH, N, d]
         grad_q = torch.bmm(grad_num, kv_t)  # its part of phi_q's gradient   [BH, N, D]
@@ -85,11 +90,20 @@ class _LinearAttentionCore(torch.autograd.Function):
         grad_q.addcmul_(grad_den, z)
         grad_kvz = torch.bmm(phi_q.transpose(1, 2), torch.cat([grad_num, grad_den], -1))  # [BH, D, d + 1]
         grad_k = grad_v = None
+        masked = values.shape[-1] > d  # [m v | m]; else v, and z was phi_k's sum
         if ctx.needs_input_grad[1]:
-            grad_k = torch.bmm(v_ones, grad_kvz.transpose(1, 2)).view(*lead, *phi_k.shape[1:])
+            if masked:
+                grad_k = torch.bmm(values, grad_kvz.transpose(1, 2))
+            else:  # v grad_S^T + 1 grad_z^T
+                grad_kvz_t = grad_kvz.transpose(1, 2)
+                grad_k = torch.baddbmm(grad_kvz_t[:, d:], values, grad_kvz_t[:, :d])
+            grad_k = grad_k.view(*lead, *phi_k.shape[1:])
         if ctx.needs_input_grad[2]:
             # v entered as m v (m: the ones column, masked); a broadcast v sums over what it was expanded to
-            grad_v = torch.bmm(phi_k, grad_kvz[..., :d]).mul_(v_ones[..., d:]).view(*lead, *phi_k.shape[1:-1], d)
+            grad_v = torch.bmm(phi_k, grad_kvz[..., :d])
+            if masked:
+                grad_v.mul_(values[..., d:])
+            grad_v = grad_v.view(*lead, *phi_k.shape[1:-1], d)
         grad_q = grad_q.view(*lead, *phi_q.shape[1:]) if ctx.needs_input_grad[0] else None
         return grad_q, grad_k, grad_v, None, None, None
 
