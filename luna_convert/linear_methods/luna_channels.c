@@ -73,6 +73,25 @@ static inline void locate_block(const grid_t *g, const float *x, int64_t e, int3
     }
 }
 
+/* Eight floats (or ints) as one value (GCC and Clang vector extensions): eight channels or projections in one
+   vector register. Plain loops let the compiler vectorise along the wrong axis, or not at all. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+/* max(f, 0) per lane as the scalar f > 0 ? f : 0 (NaN and -0 give +0): f's bits where f > 0, else zero bits. */
+static inline v8f relu8(v8f f) {
+    const v8f zero = {0};
+    return (v8f)((v8i)f & (f > zero));
+}
+
 /* The features of `rows` rows of u [rows, M] (rows * M <= BLOCK), then the norm while they are in cache. */
 static inline void forward_block(const float *x, int64_t rows, int32_t M, const int32_t L, const grid_t *g,
                                  const float *slope, const float *intercept, float eps, float *out) {
@@ -84,7 +103,10 @@ static inline void forward_block(const float *x, int64_t rows, int32_t M, const 
         const float u = x[i];
         const float *sl = slope + (int64_t)idx[i] * L, *ic = intercept + (int64_t)idx[i] * L;
         float *o = out + i * L;
-        for (int32_t l = 0; l < L; ++l) {
+        int32_t l = 0;
+        for (; l + 8 <= L; l += 8) /* the same float operations, eight channels at a time */
+            store8(o + l, relu8(load8(sl + l) * u + load8(ic + l)));
+        for (; l < L; ++l) {
             float f = sl[l] * u + ic[l];
             o[l] = f > 0.0f ? f : 0.0f;
         }
@@ -119,34 +141,21 @@ typedef struct {
     const float *wt, *bias;
 } projection_t;
 
-/* Eight floats as one value (GCC and Clang): the projection's sums over M, eight at a time, in one vector
-   register per row. Plain loops let the compiler vectorise over x instead (gathers, then scalar adds). */
-typedef float v8f __attribute__((vector_size(32)));
 
-static inline v8f load8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* u [4, M] of four rows, M a multiple of 8: each u[m] = b[m] + x[0] W^T[0, m] + x[1] W^T[1, m] + ... in this
-   order; four rows at a time, four independent chains of adds (one row's chain alone would wait on each
-   add's latency). */
-static inline void project_four(const float *x0, const float *x1, const float *x2, const float *x3, int32_t d,
-                                int32_t M, const float *wt, const float *bias, float *u) {
+/* u [ROWS_AT_ONCE, M] of that many rows (x[a] the a-th row), M a multiple of 8: each u[m] = b[m] + x[0] W^T[0, m]
+   + x[1] W^T[1, m] + ... in this order. Eight rows at a time: eight independent chains of adds (one row's
+   chain alone would wait on each add's latency; four still waited on it). */
+#define ROWS_AT_ONCE 8
+static inline void project_rows(const float *const *x, int32_t d, int32_t M, const float *wt, const float *bias,
+                                float *u) {
     for (int32_t m = 0; m < M; m += 8) {
-        v8f a0 = load8(bias + m), a1 = a0, a2 = a0, a3 = a0;
+        v8f acc[ROWS_AT_ONCE];
+        for (int a = 0; a < ROWS_AT_ONCE; ++a) acc[a] = load8(bias + m);
         for (int32_t j = 0; j < d; ++j) {
             const v8f w = load8(wt + (int64_t)j * M + m);
-            a0 += x0[j] * w;
-            a1 += x1[j] * w;
-            a2 += x2[j] * w;
-            a3 += x3[j] * w;
+            for (int a = 0; a < ROWS_AT_ONCE; ++a) acc[a] += x[a][j] * w;
         }
-        memcpy(u + m, &a0, sizeof a0);
-        memcpy(u + M + m, &a1, sizeof a1);
-        memcpy(u + 2 * M + m, &a2, sizeof a2);
-        memcpy(u + 3 * M + m, &a3, sizeof a3);
+        for (int a = 0; a < ROWS_AT_ONCE; ++a) store8(u + a * M + m, acc[a]);
     }
 }
 
@@ -158,9 +167,11 @@ static inline const float *row_of(const projection_t *p, int64_t row) {
 static inline void project_block(const projection_t *p, int64_t r, int64_t rows, const int32_t M, float *u) {
     int64_t q = 0;
     if (M % 8 == 0)
-        for (; q + 4 <= rows; q += 4)
-            project_four(row_of(p, r + q), row_of(p, r + q + 1), row_of(p, r + q + 2), row_of(p, r + q + 3), p->d, M,
-                     p->wt, p->bias, u + q * M);
+        for (; q + ROWS_AT_ONCE <= rows; q += ROWS_AT_ONCE) {
+            const float *x[ROWS_AT_ONCE];
+            for (int a = 0; a < ROWS_AT_ONCE; ++a) x[a] = row_of(p, r + q + a);
+            project_rows(x, p->d, M, p->wt, p->bias, u + q * M);
+        }
     for (; q < rows; ++q) { /* the last rows of the block, one by one, in the same order */
         const float *x = row_of(p, r + q);
         float *o = u + q * M;
