@@ -16,6 +16,7 @@ blocks (D = 4d on inputs that have prefix tokens; text inputs keep D = 2d):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -32,6 +33,24 @@ class CosformerOptions(AttentionOptions):
     prefix_neutral: bool = option(True, "derived: ViT prefix tokens (CLS, registers) weigh cos = 1 with every token "
                                   "and patches are ranked among patches (D = 4d on such inputs); false: one "
                                   "raster index over [prefix, patches] (the official code's order)")
+
+
+def _position_trig(rank: torch.Tensor, length: torch.Tensor, prefix: int, dtype: torch.dtype) -> torch.Tensor:
+    """[sin, cos] of pi/2 rank / length, [B or 1, n, 2]: rank [B or 1, n] among real tokens, length [B or 1]
+    real tokens; with ``prefix`` tokens, patches count from 0 and M is the patch count."""
+    if prefix:
+        rank = rank - prefix  # prefix ranks go negative and are unused
+        length = (length - prefix).clamp_min(1)
+    angle = (math.pi / 2) * rank.to(torch.float64) / length[:, None].to(torch.float64)  # [B or 1, n]
+    return torch.stack([torch.sin(angle), torch.cos(angle)], -1).to(dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _unpadded_trig(start: int, stop: int, tokens: int, prefix: int, device: torch.device,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """``_position_trig`` of tokens [start, stop) of an unpadded sequence of ``tokens`` (read-only: cached)."""
+    rank = torch.arange(start, stop, device=device)[None]
+    return _position_trig(rank, torch.full((1,), tokens, device=device), prefix, dtype)
 
 
 class CosformerFeatureMap(FeatureMap):
@@ -51,15 +70,16 @@ class CosformerFeatureMap(FeatureMap):
         if context is None:
             context = AttentionContext(None, x.shape[2])
         feats = F.relu(x)
-        rank = context.positions(x.device)  # [B or 1, n] among real tokens
-        lengths = context.lengths
-        length = torch.full((1,), context.tokens, device=x.device) if lengths is None else lengths.to(x.device)
         prefix = context.num_prefix if self.options.prefix_neutral else 0
-        if prefix:
-            rank = rank - prefix  # patches count from 0; prefix ranks go negative and are unused
-            length = (length - prefix).clamp_min(1)
-        angle = (math.pi / 2) * rank.to(torch.float64) / length[:, None].to(torch.float64)  # [B or 1, n]
-        trig = torch.stack([torch.sin(angle), torch.cos(angle)], -1).to(feats.dtype)  # [B or 1, n, 2]
+        if context.key_mask is None and not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
+            # The same table for every unpadded call of this length (queries and keys, every layer): about
+            # fifteen small operator calls per map saved. Not under inference_mode, whose tensors could not
+            # be saved for a later backward; compiled code computes it in the graph.
+            trig = _unpadded_trig(context.view.start, context.view.stop, context.tokens, prefix, x.device, feats.dtype)
+        else:
+            lengths = context.lengths
+            length = torch.full((1,), context.tokens, device=x.device) if lengths is None else lengths.to(x.device)
+            trig = _position_trig(context.positions(x.device), length, prefix, feats.dtype)
         # [f s | f c] in one product over a [2, d] view: no half-size products to concatenate
         weighted = (feats.unsqueeze(-2) * trig[:, None, :, :, None]).flatten(-2)  # [B, H, n, 2d]
         if not prefix:
