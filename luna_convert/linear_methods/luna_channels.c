@@ -77,6 +77,7 @@ static inline void locate_block(const grid_t *g, const float *x, int64_t e, int3
    vector register. Plain loops let the compiler vectorise along the wrong axis, or not at all. */
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int64_t v4l __attribute__((vector_size(32)));
 
 static inline v8f load8(const float *p) {
     v8f v;
@@ -99,7 +100,19 @@ static inline void forward_block(const float *x, int64_t rows, int32_t M, const 
     float sums[MAX_CHANNELS];
     const int64_t e = rows * M;
     locate_block(g, x, e, idx);
-    for (int64_t i = 0; i < e; ++i) {
+    int64_t i = 0;
+    if (L == 2) /* four scalars' eight features per vector op: each scalar's two table entries are adjacent */
+        for (; i + 4 <= e; i += 4) {
+            int64_t s0, s1, s2, s3, c0, c1, c2, c3;
+            memcpy(&s0, slope + (int64_t)idx[i] * 2, 8); memcpy(&c0, intercept + (int64_t)idx[i] * 2, 8);
+            memcpy(&s1, slope + (int64_t)idx[i + 1] * 2, 8); memcpy(&c1, intercept + (int64_t)idx[i + 1] * 2, 8);
+            memcpy(&s2, slope + (int64_t)idx[i + 2] * 2, 8); memcpy(&c2, intercept + (int64_t)idx[i + 2] * 2, 8);
+            memcpy(&s3, slope + (int64_t)idx[i + 3] * 2, 8); memcpy(&c3, intercept + (int64_t)idx[i + 3] * 2, 8);
+            const v4l sl = {s0, s1, s2, s3}, ic = {c0, c1, c2, c3};
+            const v8f u = {x[i], x[i], x[i + 1], x[i + 1], x[i + 2], x[i + 2], x[i + 3], x[i + 3]};
+            store8(out + i * 2, relu8((v8f)sl * u + (v8f)ic));
+        }
+    for (; i < e; ++i) {
         const float u = x[i];
         const float *sl = slope + (int64_t)idx[i] * L, *ic = intercept + (int64_t)idx[i] * L;
         float *o = out + i * L;
@@ -112,7 +125,32 @@ static inline void forward_block(const float *x, int64_t rows, int32_t M, const 
         }
     }
     if (eps < 0.0f) return;
-    for (int64_t q = 0; q < rows; ++q) {
+    int64_t q = 0;
+    if (L == 2) /* four rows at a time: lane (row, channel) sums its row's M features in order, as below */
+        for (; q + 4 <= rows; q += 4) {
+            float *o = out + q * (int64_t)M * 2;
+            const int64_t row = (int64_t)M * 2;
+            v8f acc = {0};
+            for (int32_t m = 0; m < M; ++m) {
+                int64_t p0, p1, p2, p3;
+                memcpy(&p0, o + m * 2, 8); memcpy(&p1, o + row + m * 2, 8);
+                memcpy(&p2, o + 2 * row + m * 2, 8); memcpy(&p3, o + 3 * row + m * 2, 8);
+                acc += (v8f)(v4l){p0, p1, p2, p3};
+            }
+            const v8f one = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+            const v8f r = one / (acc + eps);
+            for (int a = 0; a < 4; ++a) {
+                const v8f scale = {r[2 * a], r[2 * a + 1], r[2 * a], r[2 * a + 1], r[2 * a], r[2 * a + 1],
+                                   r[2 * a], r[2 * a + 1]};
+                float *oa = o + a * row;
+                for (int32_t m = 0; m + 4 <= M; m += 4) store8(oa + m * 2, load8(oa + m * 2) * scale);
+                for (int32_t m = M - M % 4; m < M; ++m) {
+                    oa[m * 2] *= r[2 * a];
+                    oa[m * 2 + 1] *= r[2 * a + 1];
+                }
+            }
+        }
+    for (; q < rows; ++q) {
         float *o = out + q * (int64_t)M * L;
         for (int32_t l = 0; l < L; ++l) sums[l] = 0.0f;
         for (int32_t m = 0; m < M; ++m)
