@@ -334,6 +334,7 @@ def test_depthwise_conv_tokens_plus_native_pass_matches_the_branch(threads, monk
             with torch.no_grad():
                 fast = dwc.depthwise_conv_tokens_plus(x, weight, bias, addend, keep)
             torch.testing.assert_close(fast.double(), want, rtol=0, atol=2e-6)  # float32 sums of k products
+            assert fast.transpose(1, 2).is_contiguous()  # token-major: the heads merge back without a copy
             slow = dwc.depthwise_conv_tokens_plus(x, weight.requires_grad_(), bias, addend, keep)  # the ops
             assert slow.requires_grad
             torch.testing.assert_close(slow.detach(), fast, rtol=0, atol=1e-6)

@@ -149,7 +149,9 @@ def depthwise_conv_tokens_plus(x: torch.Tensor, weight: torch.Tensor, bias: torc
     Without gradients, on the CPU in float32, where ``ops.native`` built ``dwc_tokens.c``: one pass that
     reads x and addend once and writes the result once (dividing as it goes), instead of a pass per tap,
     one for the add and two for the division (about 140 against 40 MB for text at 12 heads x 4,096 tokens
-    x 64, k = 3). Everywhere else, and as its reference in the tests, the PyTorch ops (with gradients).
+    x 64, k = 3). Its result is a [B, H, N, C] view of token-major memory ([B, N, H, C] contiguous), so that
+    merging the heads back into [B, N, H C] is a view, not a copy. Everywhere else, and as its reference in
+    the tests, the PyTorch ops (with gradients).
     """
     b, h, n, c = x.shape
     if weight.dim() != (3 if grid is None else 4):
@@ -161,7 +163,7 @@ def depthwise_conv_tokens_plus(x: torch.Tensor, weight: torch.Tensor, bias: torc
             raise ValueError(f"DWC expects {grid[0]}x{grid[1]} patches after {num_prefix} prefix tokens, "
                              f"got {n - num_prefix}")
     if _native_applies(x, weight, bias, addend, divide is not None):
-        out = torch.empty(x.shape, dtype=torch.float32)
+        out = torch.empty(b, n, h, c, dtype=torch.float32)  # token-major (the docstring says why)
         addend = addend.contiguous()
         taps = weight.reshape(c, -1).t().contiguous()  # [kh kw, C]: each tap's weights contiguous over channels
         bias = None if bias is None else bias.contiguous()
@@ -176,7 +178,7 @@ def depthwise_conv_tokens_plus(x: torch.Tensor, weight: torch.Tensor, bias: torc
                 mode, eps, out.data_ptr()]
         native.run_in_chunks(lambda r0, r1, _: lib.dwc_tokens_forward(x.data_ptr(), r0, r1, *args), rows,
                              native.chunk_count(rows, max(1, NATIVE_MIN_CHUNK // max(1, h * c))))
-        return out
+        return out.transpose(1, 2)
     if divide is not None:
         addend = divide_by_last_column(addend, *divide)
     if grid is not None:

@@ -6,7 +6,7 @@
  * row-major order; text is the grid 1 x n without prefix. For every token r = b n + t of the rows [r0, r1)
  * and each of its heads h (token-major, the order in which the heads split from [B, n, H C] lie in memory):
  *
- *     out[b, h, t, :] = addend[b, h, t, :] + keep_t (bias + sum_tap w[tap, :] x[b, h, s(t, tap), :] keep_s)
+ *     out[b, t, h, :] = addend[b, h, t, :] + keep_t (bias + sum_tap w[tap, :] x[b, h, s(t, tap), :] keep_s)
  *
  * over the kh x kw taps whose position s lies on the grid (zero padding), keep = 1 without a key mask. The
  * sum runs in the reference's order: the bias plus the centre tap first, then the other taps in row-major
@@ -15,7 +15,8 @@
  *
  * x is [B, H, n, C] with strides (sb, sh, sn, 1) in floats (the heads split from [B, n, H C] as they lie),
  * w is [kh kw, C] (the conv weight transposed), bias [C] or NULL, keep [B, n] bytes or NULL; out is
- * contiguous [B, H, n, C], addend contiguous [B, H, n, C] (divide 0) or [B, H, n, C + 1] (divide 1 or 2):
+ * contiguous [B, n, H, C], token-major as the loop writes it and as the heads merge back into [B, n, H C]
+ * (written in the [B, H, n, C] order, the merge would copy it), addend contiguous [B, H, n, C] (divide 0) or [B, H, n, C + 1] (divide 1 or 2):
  * the linear attention's numerator and its denominator den in the last column, added as numerator * q
  * with q = 1 / (den + eps) (divide 1) or 1 / max(den, eps) (divide 2), as ops.linear divides.
  */
@@ -36,7 +37,7 @@ void dwc_tokens_forward(const float *x, int64_t r0, int64_t r1, int64_t heads, i
             const float *xr = x + b * sb + h * sh;
             const int64_t row = (b * heads + h) * n + t;
             const float *ad = addend + row * (divide ? channels + 1 : channels);
-            float *o = out + row * channels, q = 1.0f;
+            float *o = out + (r * heads + h) * channels, q = 1.0f;
             if (divide) {
                 const float den = ad[channels];
                 q = 1.0f / (divide == 2 ? (den < eps ? eps : den) : den + eps);
