@@ -179,7 +179,6 @@ typedef struct {
     const float *wt, *bias;
 } projection_t;
 
-
 /* u [ROWS_AT_ONCE, M] of that many rows (x[a] the a-th row), M a multiple of 8: each u[m] = b[m] + x[0] W^T[0, m]
    + x[1] W^T[1, m] + ... in this order. Eight rows at a time: eight independent chains of adds (one row's
    chain alone would wait on each add's latency; four still waited on it). */

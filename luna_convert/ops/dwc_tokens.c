@@ -16,9 +16,10 @@
  * x is [B, H, n, C] with strides (sb, sh, sn, 1) in floats (the heads split from [B, n, H C] as they lie),
  * w is [kh kw, C] (the conv weight transposed), bias [C] or NULL, keep [B, n] bytes or NULL; out is
  * contiguous [B, n, H, C], token-major as the loop writes it and as the heads merge back into [B, n, H C]
- * (written in the [B, H, n, C] order, the merge would copy it), addend contiguous [B, H, n, C] (divide 0) or [B, H, n, C + 1] (divide 1 or 2):
- * the linear attention's numerator and its denominator den in the last column, added as numerator * q
- * with q = 1 / (den + eps) (divide 1) or 1 / max(den, eps) (divide 2), as ops.linear divides.
+ * (written in the [B, H, n, C] order, the merge would copy it); addend is contiguous [B, H, n, C] (divide 0)
+ * or [B, H, n, C + 1] (divide 1 or 2): the linear attention's numerator and its denominator den in the
+ * last column, added as numerator * q with q = 1 / (den + eps) (divide 1) or 1 / max(den, eps) (divide 2),
+ * as ops.linear divides.
  */
 #include <stdint.h>
 

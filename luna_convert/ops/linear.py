@@ -99,7 +99,8 @@ class _LinearAttentionCore(torch.autograd.Function):
                 grad_k = torch.baddbmm(grad_kvz_t[:, d:], values, grad_kvz_t[:, :d])
             grad_k = grad_k.view(*lead, *phi_k.shape[1:])
         if ctx.needs_input_grad[2]:
-            # v entered as m v (m: the ones column, masked); a broadcast v sums over what it was expanded to
+            # with a mask v entered as m v (m: the ones column, masked); a broadcast v sums over what it was
+            # expanded to
             grad_v = torch.bmm(phi_k, grad_kvz[..., :d])
             if masked:
                 grad_v.mul_(values[..., d:])
