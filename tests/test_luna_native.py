@@ -51,6 +51,7 @@ def values_and_grads(psi: ScalarChannels, u: torch.Tensor, out: torch.Tensor, gr
 @pytest.mark.parametrize("init, projections, channels, norm_eps, grid", [
     ("exp", 64, 2, FEATURE_NORM_EPS, "linear"),  # the conversion default
     ("exp", 7, 2, FEATURE_NORM_EPS, "linear"),  # L = 2's vector paths with their ends: scalars, M, rows
+    ("random", 3, 12, 0.5, "squashed"),  # eight channels per vector op, then four one by one
     ("random", 8, 8, None, "squashed"),  # the paper's form: heavy-tailed knots
     ("exp", 5, 3, FEATURE_NORM_EPS, "linear"),  # L that the kernel does not specialise
     ("random", 7, 1, 0.5, "linear"),

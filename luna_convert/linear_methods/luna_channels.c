@@ -87,6 +87,18 @@ static inline v8f load8(const float *p) {
 
 static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
+/* Four floats and four doubles, for the backward's float-to-double table sums. */
+typedef float v4f __attribute__((vector_size(16)));
+typedef double v4d __attribute__((vector_size(32)));
+
+static inline v4d load4d(const double *p) {
+    v4d v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store4d(double *p, v4d v) { memcpy(p, &v, sizeof v); }
+
 /* max(f, 0) per lane as the scalar f > 0 ? f : 0 (NaN and -0 give +0): f's bits where f > 0, else zero bits. */
 static inline v8f relu8(v8f f) {
     const v8f zero = {0};
@@ -244,7 +256,9 @@ static inline void backward_rows(const float *x, int64_t rows, int32_t M, const 
         for (int32_t m = 0; m < M; ++m) idx[m] = locate(g, xr[m]);
         for (int32_t m = 0; m < M; ++m) {
             const float *sl = slope + (int64_t)idx[m] * L, *ic = intercept + (int64_t)idx[m] * L;
-            for (int32_t l = 0; l < L; ++l) {
+            int32_t l = 0;
+            for (; l + 8 <= L; l += 8) store8(f + m * L + l, relu8(load8(sl + l) * xr[m] + load8(ic + l)));
+            for (; l < L; ++l) {
                 float a = sl[l] * xr[m] + ic[l];
                 f[m * L + l] = a > 0.0f ? a : 0.0f;
             }
@@ -258,11 +272,46 @@ static inline void backward_rows(const float *x, int64_t rows, int32_t M, const 
             for (int32_t m = 0; m < M; ++m)
                 for (int32_t l = 0; l < L; ++l) dot[l] += gr[m * L + l] * (f[m * L + l] * r_[l]);
         }
-        for (int32_t m = 0; m < M; ++m) {
+        int32_t m = 0;
+        if (L == 2) /* four scalars' two channels per vector op (the forward's pairs), each lane's ops as below */
+            for (; m + 4 <= M; m += 4) {
+                const v8f zero = {0}, dot2 = {dot[0], dot[1], dot[0], dot[1], dot[0], dot[1], dot[0], dot[1]},
+                          r2 = {r_[0], r_[1], r_[0], r_[1], r_[0], r_[1], r_[0], r_[1]};
+                v8f d = (load8(gr + m * 2) - dot2) * r2;
+                d = (v8f)((v8i)d & (load8(f + m * 2) > zero));
+                int64_t s0, s1, s2, s3;
+                memcpy(&s0, slope + (int64_t)idx[m] * 2, 8); memcpy(&s1, slope + (int64_t)idx[m + 1] * 2, 8);
+                memcpy(&s2, slope + (int64_t)idx[m + 2] * 2, 8); memcpy(&s3, slope + (int64_t)idx[m + 3] * 2, 8);
+                const v8f part = d * (v8f)(v4l){s0, s1, s2, s3};
+                for (int a = 0; a < 4; ++a) {
+                    const float gu = (0.0f + part[2 * a]) + part[2 * a + 1];
+                    const double u = xr[m + a], d0 = d[2 * a], d1 = d[2 * a + 1];
+                    double *gs = grad_slope + (int64_t)idx[m + a] * 2, *gi = grad_intercept + (int64_t)idx[m + a] * 2;
+                    gs[0] += d0 * u; gs[1] += d1 * u;
+                    gi[0] += d0; gi[1] += d1;
+                    grad_x[q * M + m + a] = gu;
+                }
+            }
+        for (; m < M; ++m) {
             const float u = xr[m];
             const int64_t i = (int64_t)idx[m] * L;
             float gu = 0.0f;
-            for (int32_t l = 0; l < L; ++l) {
+            int32_t l = 0;
+            for (; l + 8 <= L; l += 8) { /* eight channels per vector op, each lane's float and double ops as below */
+                const v8f zero = {0};
+                v8f d = (load8(gr + m * L + l) - load8(dot + l)) * load8(r_ + l);
+                d = (v8f)((v8i)d & (load8(f + m * L + l) > zero));
+                const v8f part = d * load8(slope + i + l);
+                for (int a = 0; a < 8; ++a) gu += part[a]; /* in channel order */
+                const v4d u4 = {u, u, u, u};
+                const v4d d_lo = __builtin_convertvector(((v4f){d[0], d[1], d[2], d[3]}), v4d);
+                const v4d d_hi = __builtin_convertvector(((v4f){d[4], d[5], d[6], d[7]}), v4d);
+                store4d(grad_slope + i + l, load4d(grad_slope + i + l) + d_lo * u4);
+                store4d(grad_slope + i + l + 4, load4d(grad_slope + i + l + 4) + d_hi * u4);
+                store4d(grad_intercept + i + l, load4d(grad_intercept + i + l) + d_lo);
+                store4d(grad_intercept + i + l + 4, load4d(grad_intercept + i + l + 4) + d_hi);
+            }
+            for (; l < L; ++l) {
                 float d = (gr[m * L + l] - dot[l]) * r_[l];
                 if (!(f[m * L + l] > 0.0f)) d = 0.0f;
                 gu += d * slope[i + l];
