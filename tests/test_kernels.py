@@ -335,7 +335,9 @@ def test_depthwise_conv_tokens_plus_native_pass_matches_the_branch(threads, monk
                 fast = dwc.depthwise_conv_tokens_plus(x, weight, bias, addend, keep)
             torch.testing.assert_close(fast.double(), want, rtol=0, atol=2e-6)  # float32 sums of k products
             assert fast.transpose(1, 2).is_contiguous()  # token-major: the heads merge back without a copy
-            slow = dwc.depthwise_conv_tokens_plus(x, weight.requires_grad_(), bias, addend, keep)  # the ops
+            with monkeypatch.context() as ops_only:  # the PyTorch ops, with gradients
+                ops_only.setattr(dwc, "native_library", lambda: None)
+                slow = dwc.depthwise_conv_tokens_plus(x, weight.requires_grad_(), bias, addend, keep)
             assert slow.requires_grad
             torch.testing.assert_close(slow.detach(), fast, rtol=0, atol=1e-6)
     finally:
@@ -382,12 +384,54 @@ def test_depthwise_conv_tokens_plus_native_pass_over_a_patch_grid(threads, monke
             with torch.no_grad():
                 fast = dwc.depthwise_conv_tokens_plus(x, weight, bias, addend.clone(), None, divide, grid, prefix)
             torch.testing.assert_close(fast.double(), want, rtol=1e-6, atol=4e-6)
-            slow = dwc.depthwise_conv_tokens_plus(x, weight.requires_grad_(), bias, addend.clone(), None, divide,
-                                                  grid, prefix)
+            with monkeypatch.context() as ops_only:  # the PyTorch ops, with gradients
+                ops_only.setattr(dwc, "native_library", lambda: None)
+                slow = dwc.depthwise_conv_tokens_plus(x, weight.requires_grad_(), bias, addend.clone(), None, divide,
+                                                      grid, prefix)
             assert slow.requires_grad
             torch.testing.assert_close(slow.detach(), fast, rtol=1e-6, atol=2e-6)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("layout", ["text", "text, masked", "grid, prefix"])
+def test_depthwise_conv_tokens_plus_native_backward_matches_the_reference(layout, threads, monkeypatch):
+    """With gradients the native pass and its native backward: values and the gradients of x (strided as
+    the heads split), the weight, the bias and the addend against the branch written out in float64 (Conv1d
+    or Conv2d under autograd); masked keys get and give nothing, prefix tokens get no branch."""
+    if dwc.native_library() is None:
+        pytest.skip(native.unavailable_reason(dwc.NATIVE_SOURCE))
+    monkeypatch.setattr(dwc, "NATIVE_MIN_CHUNK", 1)  # several chunks, each with its own weight sums
+    g = torch.Generator().manual_seed(5)
+    grid, prefix, keep = None, 0, None
+    if layout == "grid, prefix":
+        grid, prefix = (3, 4), 1
+        x, weight = torch.randn(2, 13, 3, 6, generator=g), torch.randn(6, 1, 3, 3, generator=g)
+    else:
+        x, weight = torch.randn(2, 11, 3, 6, generator=g), torch.randn(6, 1, 5, generator=g)
+        if layout == "text, masked":
+            keep = torch.rand(2, 11, generator=g) > 0.3
+    x = x.transpose(1, 2)  # [B, H, N, C] view of [B, N, H, C]
+    bias, addend = torch.randn(6, generator=g), torch.randn(2, 3, x.shape[2], 6, generator=g)
+    upstream = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (x, weight, bias, addend)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = dwc.depthwise_conv_tokens_plus(*leaves, keep, None, grid, prefix)
+        got = [out, *torch.autograd.grad(out, leaves, upstream.float())]
+    finally:
+        torch.set_num_threads(previous)
+    assert type(out.grad_fn).__name__.startswith("_NativeDepthwiseConvPlus")
+    exact = [t.double().requires_grad_() for t in (x, weight, bias, addend)]
+    if grid is None:
+        want_out = _dwc_plus_reference(*exact, keep)
+    else:
+        want_out = _dwc_grid_plus_reference(*exact, grid, prefix)
+    want = [want_out, *torch.autograd.grad(want_out, exact, upstream)]
+    for name, a, b in zip(["out", "x", "weight", "bias", "addend"], got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-6, atol=1e-5 * max(1.0, b.abs().max().item()), msg=name)
 
 
 def test_depthwise_conv_tokens_plus_checks_the_grid():
@@ -463,8 +507,10 @@ def test_depthwise_conv_tokens_plus_takes_the_native_pass_only_where_it_applies(
     with torch.no_grad():
         dwc.depthwise_conv_tokens_plus(x.double(), weight.double(), None, addend.double())  # float64: ops
         dwc.depthwise_conv_tokens_plus(x, weight, None, addend)
-    dwc.depthwise_conv_tokens_plus(x, weight.requires_grad_(), None, addend)  # gradients: ops
-    assert len(calls) == (1 if dwc.native_library() is not None else 0)
+    dwc.depthwise_conv_tokens_plus(x, weight.requires_grad_(), None, addend)  # gradients: the pass, its backward
+    undivided = torch.randn(1, 2, 5, 5)
+    dwc.depthwise_conv_tokens_plus(x, weight, None, undivided, divide=(1e-6, False))  # gradients, division: ops
+    assert len(calls) == (2 if dwc.native_library() is not None else 0)
 
 
 def test_tables_cached_under_inference_mode_are_not_saved_for_backward():

@@ -23,7 +23,9 @@ NATIVE_MAX_CHANNELS = 4096  # MAX_C of dwc_tokens.c
 NATIVE_MIN_CHUNK = 1 << 16
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 _NATIVE_SIGNATURES = {"dwc_tokens_forward": [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-                                               _P, _I32, _I32, _P, _P, _P, _I32, _F, _P]}
+                                               _P, _I32, _I32, _P, _P, _P, _I32, _F, _P],
+                      "dwc_tokens_backward": [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                                              _P, _I32, _I32, _P, _P, _P, _P, _P]}
 
 # Depthwise conv backward: bytes of each per-tap product for the weight gradient.
 DWC_CHUNK_BYTES = 1 << 20
@@ -123,12 +125,70 @@ def native_status() -> str:
 
 
 def _native_applies(x, weight, bias, addend, divided: bool) -> bool:
+    """Whether ``dwc_tokens.c`` takes these tensors: float32 on the CPU, an addend, no division where a gradient
+    is recorded (the layer divides there only without one), eager code, the library built."""
     tensors = [t for t in (x, weight, bias, addend) if t is not None]
     return (addend is not None and x.dim() == 4 and x.shape[-1] <= NATIVE_MAX_CHANNELS
             and addend.shape == (*x.shape[:-1], x.shape[-1] + divided) and x.stride(-1) == 1
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and not (divided and _records_grad(*tensors))
             and not torch.compiler.is_compiling() and native_library() is not None)
+
+
+def _records_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _native_pass(x, weight, bias, addend, keep, divide, layout) -> torch.Tensor:
+    """``dwc_tokens_forward`` over x [B, H, N, C]: the branch plus addend, [B, H, N, C] as a view of token-major
+    memory. ``keep`` uint8 [B, N] or None; ``layout`` (prefix, grid_h, grid_w, kh, kw)."""
+    b, h, n, c = x.shape
+    out = torch.empty(b, n, h, c, dtype=torch.float32)  # token-major (see depthwise_conv_tokens_plus)
+    addend = addend.contiguous()
+    taps = weight.detach().reshape(c, -1).t().contiguous()  # [kh kw, C]: each tap's weights contiguous
+    bias = None if bias is None else bias.detach().contiguous()
+    lib, rows = native_library(), b * n  # a thread's rows: tokens, all heads of each
+    mode, eps = (0, 0.0) if divide is None else (2 if divide[1] else 1, float(divide[0]))
+    prefix, grid_h, grid_w, kh, kw = layout
+    args = [h, n, c, *x.stride()[:3], prefix, grid_h, grid_w, taps.data_ptr(), kh, kw,
+            0 if bias is None else bias.data_ptr(), 0 if keep is None else keep.data_ptr(), addend.data_ptr(),
+            mode, eps, out.data_ptr()]
+    native.run_in_chunks(lambda r0, r1, _: lib.dwc_tokens_forward(x.data_ptr(), r0, r1, *args), rows,
+                         native.chunk_count(rows, max(1, NATIVE_MIN_CHUNK // max(1, h * c))))
+    return out.transpose(1, 2)
+
+
+class _NativeDepthwiseConvPlus(torch.autograd.Function):
+    """``_native_pass`` without division, with the native backward (``dwc_tokens_backward``): training's DWC
+    branch in two passes over the tokens instead of a PyTorch op per tap, each way."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, addend, keep, layout):
+        ctx.layout, ctx.has_bias = layout, bias is not None
+        ctx.save_for_backward(x, weight, keep)
+        return _native_pass(x, weight, bias, addend, keep, None, layout)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight, keep = ctx.saved_tensors
+        b, h, n, c = x.shape
+        prefix, grid_h, grid_w, kh, kw = ctx.layout
+        grad_tokens = grad.transpose(1, 2).contiguous()  # [B, N, H, C]: the order the pass reads and writes
+        grad_x = torch.empty_like(grad_tokens)
+        taps = weight.reshape(c, -1).t().contiguous()
+        rows = b * n
+        chunks = native.chunk_count(rows, max(1, NATIVE_MIN_CHUNK // max(1, h * c)))
+        # Per chunk double sums (no two threads add into one), added up after.
+        sums_w = torch.zeros(chunks, kh * kw, c, dtype=torch.float64)
+        sums_b = torch.zeros(chunks, c, dtype=torch.float64)
+        args = [h, n, c, *x.stride()[:3], prefix, grid_h, grid_w, taps.data_ptr(), kh, kw,
+                0 if keep is None else keep.data_ptr(), grad_tokens.data_ptr(), grad_x.data_ptr()]
+        native.run_in_chunks(lambda r0, r1, i: native_library().dwc_tokens_backward(
+            x.data_ptr(), r0, r1, *args, sums_w[i].data_ptr(), sums_b[i].data_ptr()), rows, chunks)
+        grad_w = sums_w.sum(0).t().reshape(weight.shape).to(weight.dtype)
+        grad_b = sums_b.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x.transpose(1, 2), grad_w, grad_b, grad, None, None
 
 
 def depthwise_conv_tokens_plus(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -146,12 +206,12 @@ def depthwise_conv_tokens_plus(x: torch.Tensor, weight: torch.Tensor, bias: torc
     (``ops.linear.linear_attention_unnormalised``), and what is added is
     ``ops.linear.divide_by_last_column(addend, eps, clamp)``, the same values to the bit.
 
-    Without gradients, on the CPU in float32, where ``ops.native`` built ``dwc_tokens.c``: one pass that
-    reads x and addend once and writes the result once (dividing as it goes), instead of a pass per tap,
-    one for the add and two for the division (about 140 against 40 MB for text at 12 heads x 4,096 tokens
-    x 64, k = 3). Its result is a [B, H, N, C] view of token-major memory ([B, N, H, C] contiguous), so that
-    merging the heads back into [B, N, H C] is a view, not a copy. Everywhere else, and as its reference in
-    the tests, the PyTorch ops (with gradients).
+    On the CPU in float32, where ``ops.native`` built ``dwc_tokens.c``: one pass that reads x and addend once
+    and writes the result once (dividing as it goes), instead of a pass per tap, one for the add and two for
+    the division (about 140 against 40 MB for text at 12 heads x 4,096 tokens x 64, k = 3); where a gradient
+    is recorded (no division then), the same pass and a native backward pass. Its result is a [B, H, N, C]
+    view of token-major memory ([B, N, H, C] contiguous), so that merging the heads back into [B, N, H C] is
+    a view, not a copy. Everywhere else, and as its reference in the tests, the PyTorch ops.
     """
     b, h, n, c = x.shape
     if weight.dim() != (3 if grid is None else 4):
@@ -163,22 +223,12 @@ def depthwise_conv_tokens_plus(x: torch.Tensor, weight: torch.Tensor, bias: torc
             raise ValueError(f"DWC expects {grid[0]}x{grid[1]} patches after {num_prefix} prefix tokens, "
                              f"got {n - num_prefix}")
     if _native_applies(x, weight, bias, addend, divide is not None):
-        out = torch.empty(b, n, h, c, dtype=torch.float32)  # token-major (the docstring says why)
-        addend = addend.contiguous()
-        taps = weight.reshape(c, -1).t().contiguous()  # [kh kw, C]: each tap's weights contiguous over channels
-        bias = None if bias is None else bias.contiguous()
-        keep = None if keep is None else keep.to(torch.uint8).contiguous()
-        sb, sh, sn = x.stride()[:3]
         # (prefix, grid_h, grid_w, kh, kw): text is the grid 1 x N without a prefix, its kernel 1 x k
-        prefix, grid_h, grid_w, kh, kw = (num_prefix, *grid, *weight.shape[2:]) if grid else (0, 1, n, 1, weight.shape[2])
-        lib, rows = native_library(), b * n  # a thread's rows: tokens, all heads of each
-        mode, eps = (0, 0.0) if divide is None else (2 if divide[1] else 1, float(divide[0]))
-        args = [h, n, c, sb, sh, sn, prefix, grid_h, grid_w, taps.data_ptr(), kh, kw,
-                0 if bias is None else bias.data_ptr(), 0 if keep is None else keep.data_ptr(), addend.data_ptr(),
-                mode, eps, out.data_ptr()]
-        native.run_in_chunks(lambda r0, r1, _: lib.dwc_tokens_forward(x.data_ptr(), r0, r1, *args), rows,
-                             native.chunk_count(rows, max(1, NATIVE_MIN_CHUNK // max(1, h * c))))
-        return out.transpose(1, 2)
+        layout = (num_prefix, *grid, *weight.shape[2:]) if grid else (0, 1, n, 1, weight.shape[2])
+        keep = None if keep is None else keep.to(torch.uint8).contiguous()
+        if _records_grad(x, weight, *(t for t in (bias, addend) if t is not None)):
+            return _NativeDepthwiseConvPlus.apply(x, weight, bias, addend, keep, layout)
+        return _native_pass(x, weight, bias, addend, keep, divide, layout)
     if divide is not None:
         addend = divide_by_last_column(addend, *divide)
     if grid is not None:

@@ -65,3 +65,40 @@ void dwc_tokens_forward(const float *x, int64_t r0, int64_t r1, int64_t heads, i
         }
     }
 }
+
+/* The backward of dwc_tokens_forward without division (divide 0), for the rows [r0, r1) of tokens s = r % n
+ * of sequence b = r / n, all heads: with G the output's gradient ([B, n, H, C] contiguous, token-major),
+ *
+ *     grad_x[b, s, h, :] = keep_s sum_tap w[tap, :] G[b, t, h, :] keep_t      (t: the token whose tap reads s)
+ *     grad_w[tap, :]    += x[b, h, s, :] G[b, t, h, :] keep_s keep_t
+ *     grad_b            += G[b, s, h, :] keep_s                                  (s not a prefix token)
+ *
+ * grad_x is written token-major like G; grad_w [kh kw, C] and grad_b [C] are this call's own double sums (the
+ * caller gives each thread chunk zeroed ones and adds them up). The addend's gradient is G itself. */
+void dwc_tokens_backward(const float *x, int64_t r0, int64_t r1, int64_t heads, int64_t n, int64_t channels,
+                         int64_t sb, int64_t sh, int64_t sn, int64_t prefix, int64_t grid_h, int64_t grid_w,
+                         const float *w, int32_t kh, int32_t kw, const uint8_t *keep, const float *grad_out,
+                         float *grad_x, double *grad_w, double *grad_b) {
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t b = r / n, s = r % n, p = s - prefix, pi = p / grid_w, pj = p % grid_w;
+        const uint8_t *kr = keep ? keep + b * n : 0;
+        for (int64_t h = 0; h < heads; ++h) {
+            const float *xs = x + b * sb + h * sh + s * sn, *gs = grad_out + (r * heads + h) * channels;
+            float *gx = grad_x + (r * heads + h) * channels;
+            for (int64_t c = 0; c < channels; ++c) gx[c] = 0.0f;
+            if (p < 0 || (kr && !kr[s])) continue; /* a prefix token or a pad: no branch reads it or writes it */
+            for (int64_t c = 0; c < channels; ++c) grad_b[c] += gs[c];
+            for (int32_t tap = 0; tap < kh * kw; ++tap) {
+                /* the token t whose tap `tap` reads s: t's position is s's minus the tap's offset */
+                const int64_t ti = pi - (tap / kw - kh / 2), tj = pj - (tap % kw - kw / 2), t = prefix + ti * grid_w + tj;
+                if (ti < 0 || ti >= grid_h || tj < 0 || tj >= grid_w || (kr && !kr[t])) continue;
+                const float *gt = grad_out + ((b * n + t) * heads + h) * channels, *wt = w + (int64_t)tap * channels;
+                double *gw = grad_w + (int64_t)tap * channels;
+                for (int64_t c = 0; c < channels; ++c) {
+                    gx[c] += wt[c] * gt[c];
+                    gw[c] += (double)xs[c] * (double)gt[c];
+                }
+            }
+        }
+    }
+}
