@@ -145,8 +145,8 @@ def _native_pass(x, weight, bias, addend, keep, divide, layout) -> torch.Tensor:
     b, h, n, c = x.shape
     out = torch.empty(b, n, h, c, dtype=torch.float32)  # token-major (see depthwise_conv_tokens_plus)
     addend = addend.contiguous()
-    taps = weight.detach().reshape(c, -1).t().contiguous()  # [kh kw, C]: each tap's weights contiguous
-    bias = None if bias is None else bias.detach().contiguous()
+    taps = weight.reshape(c, -1).t().contiguous()  # [kh kw, C]: each tap's weights contiguous
+    bias = None if bias is None else bias.contiguous()
     lib, rows = native_library(), b * n  # a thread's rows: tokens, all heads of each
     mode, eps = (0, 0.0) if divide is None else (2 if divide[1] else 1, float(divide[0]))
     prefix, grid_h, grid_w, kh, kw = layout
