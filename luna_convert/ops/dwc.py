@@ -139,6 +139,11 @@ def _records_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _token_chunks(rows: int, heads: int, channels: int) -> int:
+    """Thread chunks for the native passes over ``rows`` tokens of ``heads`` x ``channels`` floats each."""
+    return native.chunk_count(rows, max(1, NATIVE_MIN_CHUNK // max(1, heads * channels)))
+
+
 def _native_pass(x, weight, bias, addend, keep, divide, layout) -> torch.Tensor:
     """``dwc_tokens_forward`` over x [B, H, N, C]: the branch plus addend, [B, H, N, C] as a view of token-major
     memory. ``keep`` uint8 [B, N] or None; ``layout`` (prefix, grid_h, grid_w, kh, kw)."""
@@ -154,7 +159,7 @@ def _native_pass(x, weight, bias, addend, keep, divide, layout) -> torch.Tensor:
             0 if bias is None else bias.data_ptr(), 0 if keep is None else keep.data_ptr(), addend.data_ptr(),
             mode, eps, out.data_ptr()]
     native.run_in_chunks(lambda r0, r1, _: lib.dwc_tokens_forward(x.data_ptr(), r0, r1, *args), rows,
-                         native.chunk_count(rows, max(1, NATIVE_MIN_CHUNK // max(1, h * c))))
+                         _token_chunks(rows, h, c))
     return out.transpose(1, 2)
 
 
@@ -178,7 +183,7 @@ class _NativeDepthwiseConvPlus(torch.autograd.Function):
         grad_x = torch.empty_like(grad_tokens)
         taps = weight.reshape(c, -1).t().contiguous()
         rows = b * n
-        chunks = native.chunk_count(rows, max(1, NATIVE_MIN_CHUNK // max(1, h * c)))
+        chunks = _token_chunks(rows, h, c)
         # Per chunk double sums (no two threads add into one), added up after.
         sums_w = torch.zeros(chunks, kh * kw, c, dtype=torch.float64)
         sums_b = torch.zeros(chunks, c, dtype=torch.float64)
