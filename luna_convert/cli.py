@@ -341,6 +341,10 @@ def methods(
 
             console.print(f"  native channel kernel (CPU, float32): {escape(status())}")
             console.print(f"  native DWC pass (CPU, float32, no gradients): {escape(native_status())}")
+        if name == "sorting":
+            from .linear_methods.sorting_native import status
+
+            console.print(f"  native passes (CPU, float32): {escape(status())}")
         console.print(Padding(escape(" ".join(spec.details.split())), (0, 0, 1, 2)))
 
 

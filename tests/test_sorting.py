@@ -3,11 +3,18 @@ the explicit N x N kernel written out here, gradients, padding, stability and ha
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from luna_convert.layers.attention import LinearAttention
+from luna_convert.linear_methods import sorting_native
 from luna_convert.linear_methods.sorting import PROFILES
+from luna_convert.ops import native
+
+NATIVE = sorting_native.library() is not None
+needs_native = pytest.mark.skipif(not NATIVE, reason=f"no native kernel here: {native.unavailable_reason(sorting_native.SOURCE)}")
 
 
 
@@ -121,3 +128,90 @@ def test_bf16_and_autocast_are_finite_and_close():
     assert half.dtype == torch.bfloat16 and bool(torch.isfinite(half).all()) and bool(torch.isfinite(auto).all())
     torch.testing.assert_close(auto.float(), full, rtol=0, atol=1e-6)  # measured 0: computed in fp32 anyway
     torch.testing.assert_close(half.float(), full, rtol=0, atol=0.1)  # measured 0.051 (bf16 inputs, values up to 6.7)
+
+
+def native_calls(monkeypatch) -> list:
+    """Records each call of the native pass (so a test knows which path ran)."""
+    calls, run = [], sorting_native.sorting_kernel_attention
+    monkeypatch.setattr(sorting_native, "sorting_kernel_attention", lambda *a: calls.append(1) or run(*a))
+    return calls
+
+
+def tied_inputs(seed, batch=3, heads=2, n=37, d=5):
+    """float32 q, k, v with equal keys, a query equal to a key, v a strided view, and pads in the middle."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (2 * torch.randn(batch, heads, n, d, generator=g) for _ in range(2))
+    v = 2 * torch.randn(batch, n, heads, d, generator=g).transpose(1, 2)  # the adapters' [B, N, H, d] view
+    k[:, :, 6] = k[:, :, 5]  # tied keys: the scans' gap 0
+    q[:, :, 3] = k[:, :, 7]  # a query on a key: that key is on its left (keys <= x)
+    mask = torch.ones(batch, n, dtype=torch.bool)
+    mask[1, 23:] = False
+    mask[-1, ::3] = False
+    return q, k, v, mask
+
+
+@needs_native
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_pass_equals_the_explicit_kernel(profile, threads, monkeypatch):
+    layer = make_layer(profile=profile).float()
+    q, k, v, mask = tied_inputs(8)
+    calls, before = native_calls(monkeypatch), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            got = layer(q, k, v, mask)
+            unmasked = layer(q, k, v)
+    finally:
+        torch.set_num_threads(before)
+    assert len(calls) == 2 and got.dtype == torch.float32
+    want = explicit_kernel_attention(layer, q, k, v, mask)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)  # measured 3.9e-7 (float32 sums)
+    want = explicit_kernel_attention(layer, q, k, v, torch.ones(3, 37, dtype=torch.bool))
+    torch.testing.assert_close(unmasked.double(), want, rtol=0, atol=2e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("profile", PROFILES)
+def test_native_pass_equals_the_pytorch_path(profile, monkeypatch):
+    """At a length with several levels of the PyTorch path's block carry, and one key only."""
+    torch.manual_seed(0)
+    layer = LinearAttention("sorting", 16, 3, 0.25, profile=profile)
+    q, k, v, mask = tied_inputs(9, batch=2, heads=3, n=1100, d=16)
+    calls = native_calls(monkeypatch)
+    with torch.no_grad():
+        fast, single = layer(q, k, v, mask), layer(q[:, :, :1], k[:, :, :1], v[:, :, :1])
+        monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
+        slow, single_slow = layer(q, k, v, mask), layer(q[:, :, :1], k[:, :, :1], v[:, :, :1])
+    assert len(calls) == 2
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)  # measured 1.1e-6
+    torch.testing.assert_close(single, single_slow, rtol=0, atol=1e-5)  # measured 9.5e-7
+
+
+@needs_native
+@pytest.mark.parametrize("profile", PROFILES)
+def test_native_gradients_equal_the_explicit_kernel(profile, monkeypatch):
+    """The native backward against autograd through the explicit N x N weights in float64: q, k, v and every
+    parameter. (No query on a key here: laplace's kappa has a kink at 0, where the native pass takes the
+    left key's slope and autograd's abs takes 0.)"""
+    reference = make_layer(profile=profile)
+    layer = copy.deepcopy(reference).float()
+    q, k, v, mask = tied_inputs(10)
+    q[:, :, 3] += 0.1
+    g = torch.Generator().manual_seed(11)
+    grad_out = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    calls = native_calls(monkeypatch)
+
+    def gradients(module, dtype, explicit):
+        inputs = [t.to(dtype).detach().requires_grad_() for t in (q, k, v)]
+        out = (module.attention_weights(*inputs[:2], mask) @ inputs[2] if explicit
+               else module(*inputs, mask))
+        params = [module.kernel.proj, module.kernel.raw_weight, module.kernel.raw_bandwidth,
+                  module.kernel.raw_background]
+        return [t.double() for t in torch.autograd.grad(out, inputs + params, grad_out.to(dtype))]
+
+    got, want = gradients(layer, torch.float32, False), gradients(reference, torch.float64, True)
+    assert len(calls) == 1
+    for name, a, b in zip(["q", "k", "v", "proj", "raw_weight", "raw_bandwidth", "raw_background"], got, want):
+        # measured up to 3.0e-6 of the largest gradient (float32 sums)
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5 * float(b.abs().max()), msg=name)

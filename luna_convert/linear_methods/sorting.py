@@ -12,6 +12,10 @@ in O(N log N): sort the keys' projections, run decayed prefix sums left to right
 (:func:`decayed_prefix_sums`), and read each query's two neighbours found with ``searchsorted``.
 Every exponent in those sums is <= 0 (a block-local reference point is subtracted before
 exponentiating), so no projection, however large, can overflow.
+
+For float32 on the CPU (eager), ``sorting_native`` runs the same sums as native passes, forward and
+backward: a radix sort per projection, two sequential scans (M_p = e^{-(y_p - y_{p-1})} M_{p-1} + u_p)
+and a merge walk over the sorted queries. The PyTorch path below is their reference.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
+from . import sorting_native
 from .base import AttentionOptions, KernelAttention, Method, check_choice, check_positive_int, option
 from .registry import register
 
@@ -167,9 +172,11 @@ class SortingKernelAttention(KernelAttention):
     def projected(self, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype):
         """x = a_r.q / h_r and y = a_r.k / h_r laid out [B, H, R, N] (sorted dimension last), with w and c0."""
         w, h, c0 = self.kernel_parameters(dtype)
-        proj = self.proj.to(dtype) / h[:, None, :]
-        x = torch.einsum("bhnd,hdr->bhrn", q.to(dtype), proj)
-        y = torch.einsum("bhnd,hdr->bhrn", k.to(dtype), proj)
+        proj_t = (self.proj.to(dtype) / h[:, None, :]).transpose(1, 2)  # [H, R, d]
+        if q.shape == k.shape:  # self-attention: one product for both, [2, B, H, R, N], each half contiguous
+            x, y = torch.matmul(proj_t, torch.stack([q, k]).to(dtype).transpose(-1, -2)).unbind(0)
+        else:
+            x, y = (torch.matmul(proj_t, t.to(dtype).transpose(-1, -2)) for t in (q, k))
         return x, y, w, c0
 
     def weights(self, q, k, key_mask=None, context: AttentionContext | None = None):
@@ -186,6 +193,10 @@ class SortingKernelAttention(KernelAttention):
         compute = accumulation_dtype(q, k, v)  # fp32 before sorting: bf16 ties would lose the order
         with torch.autocast(device_type=q.device.type, enabled=False):
             x, y, w, c0 = self.projected(q, k, compute)
+            if sorting_native.applies(x, y, v, w, c0):  # sorts, scans and merges in C (float32, CPU)
+                out = sorting_native.sorting_kernel_attention(x, y, v.to(compute), key_mask, w, c0,
+                                                              self.options.profile == "matern32", self.options.eps)
+                return out.to(v.dtype)
             b, heads, r, n = y.shape
             u = torch.cat([v.to(compute), torch.ones_like(v[..., :1], dtype=compute)], -1)  # [B, H, N, dv + 1]
             if key_mask is not None:
@@ -212,6 +223,7 @@ projections, 16), w_r = softplus, h_r = softplus + 1e-2 h_init (option bandwidth
 splines of the abstract are not offered (global prefix sums of y^b cancel catastrophically); projections
 random orthonormal at init (not PCA: no calibration batch at conversion); no q scaling; rows divided by
 the kernel row sum + eps over real keys; pads weigh 0. Exact decayed prefix sums in both directions over
-the sorted keys, blocks of 32 with a block-local reference (every exponent <= 0). Recipe (derived):
+the sorted keys, blocks of 32 with a block-local reference (every exponent <= 0); in float32 on the CPU
+native passes of sorts, scans and a merge, forward and backward (sorting_native). Recipe (derived):
 distil attention against softmax through the explicit N x N weights, then finetune.""",
 ))

@@ -1,0 +1,124 @@
+"""The additive sorting kernel's attention as native passes (``sorting_sums.c``), float32 on the CPU:
+the forward, and its backward where a gradient is recorded.
+
+The PyTorch path (``sorting.sorted_kernel_sums``) sums each projection's decayed prefix sums in blocks of
+32 keys with an explicit [32, 32] decay matrix per block, carried across blocks a level up: about 200
+operator calls and [B, H, R, N, 65]-sized intermediates for every forward (1.6 GB at 4,096 tokens), and
+autograd keeps them all for the backward. Here each projection is a radix sort of its keys and of its
+queries, two scans over the sorted keys and one merge walk over the sorted queries, in a pass per
+(batch, head); the backward runs the same scans and, with the roles swapped, scans over the queries'
+gradients walked by the keys (the formulas are at the top of ``sorting_sums.c``). Nothing but the inputs,
+the output and its denominators is kept for the backward.
+
+Used by ``SortingKernelAttention.forward`` for float32 compute on the CPU, outside ``torch.compile``, where
+``ops.native`` built the library; everywhere else, and as the reference in tests/test_sorting.py, the
+PyTorch path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from ..ops import native
+
+SOURCE = Path(__file__).with_name("sorting_sums.c")
+# (batch, head) rows per thread chunk at the least: one row at 512 tokens is already ~1 ms of work.
+MIN_ROWS_PER_CHUNK = 1
+_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+_INPUTS = [_P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I32]  # x .. matern
+_SIGNATURES = {"sorting_attention_forward": [*_INPUTS, _F, _I64, _I64, _P, _P, _P],
+               "sorting_attention_backward": [*_INPUTS, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P]}
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (``ops.native.unavailable_reason(SOURCE)`` says why)."""
+    return native.load_library(SOURCE, _SIGNATURES)
+
+
+def status() -> str:
+    """"on", or "off: <why>" (what the bench records beside its timings)."""
+    return native.status(SOURCE, _SIGNATURES)
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """Whether the native passes take these tensors: float32 on the CPU, eager code, the library built."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and not torch.compiler.is_compiling() and library() is not None)
+
+
+def sorting_kernel_attention(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                             w: torch.Tensor, c0: torch.Tensor, matern: bool, eps: float) -> torch.Tensor:
+    """out_i = sum_j m_j k_ij v_j / (sum_j m_j k_ij + eps) with k_ij = c0 + sum_r w_r kappa(x_ri - y_rj).
+
+    x [B, H, R, Nq] and y [B, H, R, N] the projections already divided by the bandwidths, v [B, H, N, dv],
+    key_mask bool [B, N] or None, w [H, R], c0 [H]; float32 (``applies``). Returns [B, H, Nq, dv], with
+    gradients for x, y, v, w and c0 where autograd records them."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, v, w, c0)):
+        return _NativeSortingAttention.apply(x, y, v, key_mask, w, c0, matern, eps)
+    return _forward(*_inputs(x, y, v, key_mask, w, c0), matern, eps, keep_denominators=False)[0]
+
+
+def _inputs(x, y, v, key_mask, w, c0):
+    """The tensors as the passes read them: x, y, w, c0 contiguous (einsum's [B, H, R, N] is not for B > 1),
+    v with its channels contiguous, the mask as one byte per key."""
+    keep = None if key_mask is None else key_mask.to(torch.bool).contiguous()  # one byte, 0 or 1, read as uint8
+    return (x.contiguous(), y.contiguous(), v if v.stride(-1) == 1 else v.contiguous(), keep, w.contiguous(),
+            c0.contiguous())
+
+
+def _shared_args(x, y, v, keep, w, c0, matern) -> list:
+    """The arguments both passes take first (``_INPUTS``)."""
+    b, heads, projections, nq = x.shape
+    return [x.data_ptr(), y.data_ptr(), v.data_ptr(), *v.stride()[:3], 0 if keep is None else keep.data_ptr(),
+            w.data_ptr(), c0.data_ptr(), heads, projections, nq, y.shape[-1], v.shape[-1], int(matern)]
+
+
+def _run(pass_name: str, rows: int, call) -> None:
+    """``call(first_row, end_row, failed_flag_address)`` over the rows in thread chunks; a chunk that could
+    not get its scratch memory is a MemoryError."""
+    chunks = native.chunk_count(rows, MIN_ROWS_PER_CHUNK)
+    failed = (ctypes.c_int32 * chunks)()  # a flag per chunk (not a tensor: no operator calls)
+    native.run_in_chunks(lambda r0, r1, i: call(r0, r1, ctypes.addressof(failed) + 4 * i), rows, chunks)
+    if any(failed):
+        raise MemoryError(f"sorting kernel's native {pass_name}: no memory for its scratch buffers")
+
+
+def _forward(x, y, v, keep, w, c0, matern, eps, keep_denominators: bool):
+    """(out [B, H, Nq, dv], the denominators [B, H, Nq] or None)."""
+    b, heads, _, nq = x.shape
+    out = torch.empty(b, heads, nq, v.shape[-1], dtype=torch.float32)
+    den = torch.empty(b, heads, nq, dtype=torch.float32) if keep_denominators else None
+    args, lib = _shared_args(x, y, v, keep, w, c0, matern), library()
+    _run("forward", b * heads, lambda r0, r1, failed: lib.sorting_attention_forward(
+        *args, eps, r0, r1, out.data_ptr(), 0 if den is None else den.data_ptr(), failed))
+    return out, den
+
+
+class _NativeSortingAttention(torch.autograd.Function):
+    """The forward pass, then the backward pass from the inputs, the output and its denominators."""
+
+    @staticmethod
+    def forward(ctx, x, y, v, key_mask, w, c0, matern, eps):
+        inputs = _inputs(x, y, v, key_mask, w, c0)
+        out, den = _forward(*inputs, matern, eps, keep_denominators=True)
+        ctx.matern = matern
+        ctx.save_for_backward(*inputs, out, den)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, y, v, keep, w, c0, out, den = ctx.saved_tensors
+        b, heads, projections, _ = x.shape
+        grad_x, grad_y = torch.empty_like(x), torch.empty_like(y)
+        grad_v = torch.empty(b, heads, v.shape[2], v.shape[3], dtype=torch.float32)
+        grad_w, grad_c0 = torch.empty(b, heads, projections), torch.empty(b, heads)  # per row: summed below
+        grad_out = grad_out.contiguous()
+        args, lib = _shared_args(x, y, v, keep, w, c0, ctx.matern), library()
+        _run("backward", b * heads, lambda r0, r1, failed: lib.sorting_attention_backward(
+            *args, grad_out.data_ptr(), out.data_ptr(), den.data_ptr(), r0, r1, grad_x.data_ptr(),
+            grad_y.data_ptr(), grad_v.data_ptr(), grad_w.data_ptr(), grad_c0.data_ptr(), failed))
+        return grad_x, grad_y, grad_v, None, grad_w.sum(0), grad_c0.sum(0), None, None
