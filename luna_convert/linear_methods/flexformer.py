@@ -25,7 +25,6 @@ parameter, saved with the model (model.safetensors).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +33,7 @@ from torch import nn
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
 from .base import AttentionOptions, FeatureMap, Method, check_choice, check_int, check_non_negative_number, option
-from .performer import orthogonal_random_features
+from .performer import orthogonal_random_features, positive_random_features
 from .registry import register
 
 VARIANTS = ("positive", "stationary", "nonstationary")
@@ -92,33 +91,24 @@ class FlexformerFeatureMap(FeatureMap):
         return m if self.options.variant == "positive" else 2 * m
 
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
+        if self.options.variant == "positive":  # Performer's feature and stabilisers, with trainable Omega
+            return positive_random_features(x, self.frequencies, context)
         # in fp32 (float64 stays float64): rho and exp overflow or round badly in half precision
         compute = accumulation_dtype(x)
-        is_key = context is not None and context.role == "key"
-        real = None if context is None or context.view_mask is None else context.view_mask[:, None, :, None]
         with torch.autocast(device_type=x.device.type, enabled=False):
             x = x.to(compute)
-            half_sq_norm = x.square().sum(-1, keepdim=True) * (0.5 * self.head_dim**-0.5)  # |x|^2 / 2 sqrt(d)
             proj = torch.matmul(x, self.frequencies.to(compute).transpose(-1, -2))  # [B, H, n, m]
-            if self.options.variant == "positive":
-                logits = proj.sub_(half_sq_norm)  # in place: the product keeps no output for its backward
-                if is_key:  # pads at -inf: out of the max, and exp gives exact zeros
-                    logits = logits if real is None else logits.masked_fill(~real, float("-inf"))
-                    shift = logits.detach().amax(dim=(-2, -1), keepdim=True)  # one per example and head
-                else:
-                    shift = logits.detach().amax(dim=-1, keepdim=True)  # per query: cancels in its own row
-                # D^(-1/2) exp(logits - shift) = exp(logits - (shift + ln(D) / 2)), in place
-                shift = shift.masked_fill(torch.isinf(shift), 0.0) + 0.5 * math.log(self.feature_dim)
-                return logits.sub_(shift).exp_()
             if self.second_frequencies is None:
                 feats = torch.cat([torch.cos(proj), torch.sin(proj)], -1) * (proj.shape[-1] ** -0.5)
             else:
                 proj2 = torch.matmul(x, self.second_frequencies.to(compute).transpose(-1, -2))
                 feats = torch.cat([torch.cos(proj) + torch.cos(proj2), torch.sin(proj) + torch.sin(proj2)], -1)
                 feats = feats * ((4 * proj.shape[-1]) ** -0.5)
-            if not is_key:
+            if context is None or context.role != "key":
                 return feats  # the query's factor e^(|q|^2/2sqrt(d)) cancels in its row
-            log_rho = half_sq_norm if real is None else half_sq_norm.masked_fill(~real, float("-inf"))
+            half_sq_norm = x.square().sum(-1, keepdim=True) * (0.5 * self.head_dim**-0.5)  # |x|^2 / 2 sqrt(d)
+            real = context.view_mask
+            log_rho = half_sq_norm if real is None else half_sq_norm.masked_fill(~real[:, None, :, None], float("-inf"))
             shift = log_rho.amax(dim=-2, keepdim=True).detach()  # one per example and head
             return feats * torch.exp(log_rho - shift.masked_fill(torch.isinf(shift), 0.0))
 

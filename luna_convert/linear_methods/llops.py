@@ -71,33 +71,44 @@ class LLoPSFeatureMap(FeatureMap):
         return r * (r + 1) // 2
 
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
+        return self.each(x)[0]
+
+    def each(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The features of each of ``xs`` (queries and keys), the sketch's operands derived once for all."""
         # in fp32 (float64 stays float64): (1 + s/p)^p reaches ~1e3 and bf16 products would lose the kernel
-        compute = accumulation_dtype(x)
-        p = self.options.degree
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            x = x.to(compute)
-            if self.options.qk_norm:
-                x = F.layer_norm(x, x.shape[-1:], eps=1e-5)
-            scale = torch.rsqrt(p * torch.exp(self.log_temperature.to(compute)) * self.head_dim**0.5)  # [H, 1, 1]
-            sketch = self.sketch.to(compute)  # [H, p/2, r, d+1]
-            b, h, n, d = x.shape
-            factors, r = sketch.shape[1], sketch.shape[2]
-            # <u, x~> = u_0 c + scale <u_1:, x> with c = x~'s constant coordinate (1, or 0 when homogeneous):
-            # scale and c folded into the sketch leave one head-major product over x as it is, for all p/2
-            # factors at once (no [c | scale x] copy of x, no copy of it per factor).
-            sketch_weight = (sketch[..., 1:] * scale[..., None]).flatten(1, 2).transpose(1, 2)  # [H, d, p/2 r]
-            x_heads = x.transpose(0, 1).reshape(h, b * n, d)  # a view of the heads split from [B, n, H d]
-            if self.options.homogeneous:
-                projections = torch.bmm(x_heads, sketch_weight)
-            else:
-                projections = torch.baddbmm(sketch[..., 0].flatten(1).unsqueeze(1), x_heads, sketch_weight)
-            # psi_l = r^-1/2 prod_t <u_{l,t}, x~>, tokens last: [B, H, r, n]
-            psi = (projections.view(h, b, n, factors, r).prod(dim=-2) * r**-0.5).permute(1, 0, 3, 2)
-            # The pairs as whole rows of [psi; sqrt(2) psi] (tokens last), returned as the [B, H, n, D] view:
-            # selecting rows is about 3x faster than gathering single elements along the last axis (see Taylor).
-            left = torch.cat([psi, psi * 2**0.5], -2)
-            features = left.index_select(-2, self.left_rows) * left[..., :r, :].index_select(-2, self.right_rows)
-            return features.transpose(-1, -2)
+        compute = accumulation_dtype(*xs)
+        with torch.autocast(device_type=xs[0].device.type, enabled=False):
+            weight, bias = self.sketch_operands(compute)
+            return tuple(self.sketch_features(x.to(compute), weight, bias) for x in xs)
+
+    def sketch_operands(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """<u, x~> = u_0 c + scale <u_1:, x> with scale = 1 / sqrt(p tau sqrt(d)) and c = x~'s constant coordinate (1,
+        or 0 when homogeneous), as the operands of one head-major product for all p/2 factors: the weight
+        scale u_1: [H, d, p/2 r] and the bias u_0 [H, 1, p/2 r] (None when homogeneous). So there is no
+        [c | scale x] copy of x, nor a copy of it per factor."""
+        sketch = self.sketch.to(dtype)  # [H, p/2, r, d+1]
+        scale = torch.rsqrt(torch.exp(self.log_temperature.to(dtype)) * (self.options.degree * self.head_dim**0.5))
+        weight = sketch[..., 1:].flatten(1, 2).transpose(1, 2) * scale  # scale [H, 1, 1]
+        bias = None if self.options.homogeneous else sketch[..., :1].view(sketch.shape[0], 1, -1)
+        return weight, bias
+
+    def sketch_features(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """phi(x) for x [B, H, n, d] and ``sketch_operands``: [B, H, n, D]."""
+        if self.options.qk_norm:
+            x = F.layer_norm(x, x.shape[-1:], eps=1e-5)
+        b, h, n, d = x.shape
+        r = self.sketch.shape[2]
+        x_heads = x.transpose(0, 1).reshape(h, b * n, d)  # a view of the heads split from [B, n, H d]
+        # [H, B n, p/2 r]
+        projections = torch.bmm(x_heads, weight) if bias is None else torch.baddbmm(bias, x_heads, weight)
+        # psi_l = r^-1/2 prod_t <u_{l,t}, x~>, tokens last: [B, H, r, n]
+        psi = (projections.view(h, b, n, -1, r).prod(dim=-2) * r**-0.5).permute(1, 0, 3, 2)
+        # The pairs as whole rows of left = [psi; sqrt(2) psi] (tokens last; right_rows < r pick psi itself), returned
+        # as the [B, H, n, D] view: selecting rows is about 3x faster than gathering single elements along the
+        # last axis (see Taylor).
+        left = torch.cat([psi, psi * 2**0.5], -2)
+        features = left.index_select(-2, self.left_rows) * left.index_select(-2, self.right_rows)
+        return features.transpose(-1, -2)
 
 
 LLOPS = register(Method(

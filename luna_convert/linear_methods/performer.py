@@ -82,32 +82,44 @@ class PerformerFeatureMap(FeatureMap):
         return self.random_features.shape[0]
 
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
-        # exp and sums in fp32 (float64 stays float64): bf16 would round the exponent before exp
-        compute = accumulation_dtype(x)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            # logits = W x~ - |x~|^2 / 2 with x~ = d^(-1/4) x: d^(-1/4) folded into W and -|x~|^2 / 2 =
-            # -|x|^2 / (2 sqrt(d)) added in place (no scaled copy of x, no separate subtraction)
-            x = x.to(compute)
-            d = x.shape[-1]
-            half_sq_norm = x.square().sum(-1, keepdim=True) * (-0.5 * d**-0.5)
-            weight = (self.random_features.to(compute) * d**-0.25).T  # [d, m]
-            # 4-D matmul on the heads as they are split: measured faster on the CPU than one mm over
-            # all rows (which also needs a contiguous copy of x)
-            logits = torch.matmul(x, weight).add_(half_sq_norm)  # [B, H, n, m]
-            # The stabilisers cancel exactly, so they carry no gradient (detached, which also lets exp run in place)
-            scored = logits.detach()
-            if context is not None and context.role == "key":
-                real = context.view_mask
-                scored = scored if real is None else scored.masked_fill(~real[:, None, :, None], float("-inf"))
-                shift = scored.amax(dim=(-2, -1), keepdim=True)  # one constant per example and head: cancels
-                shift = shift.masked_fill(torch.isinf(shift), 0.0)  # an example with no real key at all
-            else:
-                shift = scored.amax(dim=-1, keepdim=True)  # per query: cancels in its own row
-            # m^(-1/2) exp(logits - shift) = exp(logits - (shift + ln(m) / 2)), computed in place
-            feats = logits.sub_(shift + 0.5 * math.log(self.feature_dim)).exp_()
-            if self.options.kernel_epsilon:  # not in place: exp's backward reads its output
-                feats = feats + self.options.kernel_epsilon * self.feature_dim**-0.5
+        feats = positive_random_features(x, self.random_features, context, scale=self.head_dim**-0.25)
+        if self.options.kernel_epsilon:  # not in place: exp's backward reads its output
+            feats = feats + self.options.kernel_epsilon * self.feature_dim**-0.5
         return feats
+
+
+def positive_random_features(x: torch.Tensor, weight: torch.Tensor, context: AttentionContext | None,
+                             scale: float = 1.0) -> torch.Tensor:
+    """m^(-1/2) exp(scale W x - |x|^2 / (2 sqrt(d)) - c) for x [B, H, n, d] and W [m, d] (every head's) or [H, m, d]
+    (one per head), with the stabilisers c of the module docstring: per query a max over features; for keys
+    (``context.role`` "key") one max over the real keys and features per example and head, and pad keys get
+    exact zero features. [B, H, n, m], contiguous, in the accumulation dtype (exp and sums in fp32, float64
+    stays float64: bf16 would round the exponent before exp). Performer's map and Flexformer's positive variant."""
+    compute = accumulation_dtype(x)
+    b, h, n, d = x.shape
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        # One product per example and head over x as [B H, n, d] (a view of x, or a copy of it, smaller than the
+        # features, where the batch axes cannot merge): the logits come out in the [B, H, n, m] order the core
+        # reads, and the |x|^2 term and both scales are baddbmm's (no pass of their own over the logits).
+        x = x.to(compute).reshape(b * h, n, d)
+        sq_norm = x.square().sum(-1, keepdim=True)  # [BH, n, 1]
+        is_key = context is not None and context.role == "key"
+        real = context.view_mask if is_key else None
+        if real is not None:  # pads at +inf, -inf once times the product's negative beta: out of the max, exp 0
+            sq_norm = torch.where(real.view(b, 1, n, 1), sq_norm.view(b, h, n, 1), math.inf).view(b * h, n, 1)
+        # [BH, d, m]: the one W of every head (Performer) or each head's own (Flexformer), for each example
+        m, weight = weight.shape[-2], weight.to(compute)
+        weight = (weight.expand(b * h, m, d) if weight.dim() == 2 else weight.repeat(b, 1, 1)).mT
+        logits = torch.baddbmm(sq_norm, x, weight, beta=-0.5 * d**-0.5, alpha=scale)  # [BH, n, m]
+        with torch.no_grad():  # the stabilisers cancel exactly: no gradient (which also lets exp run in place)
+            if is_key:  # one constant per example and head
+                shift = logits.amax(dim=(1, 2), keepdim=True)
+                if real is not None:
+                    shift.nan_to_num_(neginf=0.0)  # an example without a real key (all -inf): 0
+            else:
+                shift = logits.amax(dim=-1, keepdim=True)  # per query: cancels in its own row
+            shift.add_(0.5 * math.log(m))  # m^(-1/2) exp(logits - c) = exp(logits - (c + ln(m) / 2))
+        return logits.sub_(shift).exp_().view(b, h, n, m)
 
 
 PERFORMER = register(Method(
