@@ -177,14 +177,15 @@ def ops_per_forward(method: str, tokens: int, train: bool = False, **options) ->
 # Session 17: sorting 235 -> 28 with its native passes (sorting_native: the sorts, scans and merges in one
 # call per forward, one per backward); "sorting-pytorch" is its PyTorch path (one product for q's and k's
 # projections: 235 -> 219).
-# Then performer 67 -> 55 and flexformer 74 -> 55: one baddbmm per map makes the logits, with the |x|^2 term, the
-# scales and the pad keys' -inf as its added term (performer.positive_random_features, shared by both); llops
-# 76 -> 59: the sketch's operands derived once for queries and keys (LLoPSFeatureMap.each).
+# Then performer 67 -> 59 and flexformer 74 -> 57: one baddbmm per map makes the logits, with the |x|^2 term and
+# the pad keys' -inf as its added input (performer.positive_random_features, shared by both; the scales on the
+# small operands, 4 calls more than with baddbmm's beta and alpha, whose backward costs a pass over the
+# logits' gradient); llops 76 -> 59: the sketch's operands derived once for queries and keys (LLoPSFeatureMap.each).
 NATIVE = luna_native.library() is not None
 SORTING_NATIVE = sorting_native.library() is not None
-MEASURED_OPS = {"cosformer": 68, "ela": 45, "elu": 30, "flexformer": 55, "hedgehog": 60, "llops": 59,
+MEASURED_OPS = {"cosformer": 68, "ela": 45, "elu": 30, "flexformer": 57, "hedgehog": 60, "llops": 59,
                 "luna": 62 if NATIVE else 116, "luna-pytorch": 116,
-                "performer": 55, "relu": 28, "sorting": 28 if SORTING_NATIVE else 219, "sorting-pytorch": 219,
+                "performer": 59, "relu": 28, "sorting": 28 if SORTING_NATIVE else 219, "sorting-pytorch": 219,
                 "taylor": 46, "t2r": 39, "t2r-hh": 39}
 OP_SLACK = 1.1
 

@@ -100,17 +100,22 @@ def positive_random_features(x: torch.Tensor, weight: torch.Tensor, context: Att
     with torch.autocast(device_type=x.device.type, enabled=False):
         # One product per example and head over x as [B H, n, d] (a view of x, or a copy of it, smaller than the
         # features, where the batch axes cannot merge): the logits come out in the [B, H, n, m] order the core
-        # reads, and the |x|^2 term and both scales are baddbmm's (no pass of their own over the logits).
+        # reads, and the |x|^2 term is baddbmm's added input (no pass of its own over the logits). The scales
+        # go on the small operands: a beta or alpha other than 1 would cost the backward a pass over the
+        # [B H, n, m] gradient (measured: forward + backward 5-19 % slower at 4,096 tokens).
         x = x.to(compute).reshape(b * h, n, d)
-        sq_norm = x.square().sum(-1, keepdim=True)  # [BH, n, 1]
+        half_sq_norm = x.square().sum(-1, keepdim=True).mul_(-0.5 * d**-0.5)  # [BH, n, 1]: -|x|^2 / (2 sqrt(d))
         is_key = context is not None and context.role == "key"
         real = context.view_mask if is_key else None
-        if real is not None:  # pads at +inf, -inf once times the product's negative beta: out of the max, exp 0
-            sq_norm = torch.where(real.view(b, 1, n, 1), sq_norm.view(b, h, n, 1), math.inf).view(b * h, n, 1)
+        if real is not None:  # pads at -inf: out of the max, and exp gives exact zeros
+            half_sq_norm = torch.where(real.view(b, 1, n, 1), half_sq_norm.view(b, h, n, 1),
+                                       -math.inf).view(b * h, n, 1)
         # [BH, d, m]: the one W of every head (Performer) or each head's own (Flexformer), for each example
         m, weight = weight.shape[-2], weight.to(compute)
+        if scale != 1.0:
+            weight = weight * scale
         weight = (weight.expand(b * h, m, d) if weight.dim() == 2 else weight.repeat(b, 1, 1)).mT
-        logits = torch.baddbmm(sq_norm, x, weight, beta=-0.5 * d**-0.5, alpha=scale)  # [BH, n, m]
+        logits = torch.baddbmm(half_sq_norm, x, weight)  # [BH, n, m]
         with torch.no_grad():  # the stabilisers cancel exactly: no gradient (which also lets exp run in place)
             if is_key:  # one constant per example and head
                 shift = logits.amax(dim=(1, 2), keepdim=True)
