@@ -69,8 +69,9 @@ class _LinearAttentionCore(torch.autograd.Function):
     def forward(ctx, phi_q, phi_k, v, keep, eps, clamp):
         lead, phi_q, phi_k, values, kvz, num_den = _sums_and_products(phi_q, phi_k, v, keep)
         d = v.shape[-1]
-        r, unclamped = _reciprocal_denominator(num_den[..., d:], eps, clamp)
-        out = num_den[..., :d] * r  # [BH, N, d]
+        num, den = num_den.split([d, 1], -1)  # one view call, not two slices
+        r, unclamped = _reciprocal_denominator(den, eps, clamp)
+        out = num * r  # [BH, N, d]
         ctx.save_for_backward(phi_q, phi_k, values, kvz, r, unclamped)
         ctx.lead = lead
         return out.view(*lead, *out.shape[1:])
@@ -80,7 +81,7 @@ class _LinearAttentionCore(torch.autograd.Function):
     def backward(ctx, grad_out):
         phi_q, phi_k, values, kvz, r, unclamped = ctx.saved_tensors
         lead, d = ctx.lead, kvz.shape[-1] - 1
-        kv_t, z = kvz[..., :d].transpose(1, 2), kvz[..., d:].transpose(1, 2)  # S^T [BH, d, D], z^T [BH, 1, D]
+        kv_t, z = kvz.transpose(1, 2).split([d, 1], 1)  # S^T [BH, d, D], z^T [BH, 1, D]
         grad_num = grad_out.reshape(r.shape[0], *grad_out.shape[-2:]) * r  # d loss / d (phi_q S)   [BH, N, d]
         grad_q = torch.bmm(grad_num, kv_t)  # its part of phi_q's gradient   [BH, N, D]
         # d loss / d (phi_q z) = -(grad_out . out) r, and grad_out . out = (grad_num S^T) . phi_q
@@ -154,5 +155,6 @@ def linear_attention_unnormalised(phi_q: torch.Tensor, phi_k: torch.Tensor, v: t
 def divide_by_last_column(num_den: torch.Tensor, eps: float = EPS, clamp: bool = False) -> torch.Tensor:
     """x[..., :d] / (x[..., d] + eps) (``clamp``: / max(x[..., d], eps)) for x = num_den [..., d + 1], computed as
     the core computes it (a reciprocal, then a product); the last column is overwritten."""
-    r, _ = _reciprocal_denominator(num_den[..., -1:], eps, clamp)
-    return num_den[..., :-1] * r
+    num, den = num_den.split([num_den.shape[-1] - 1, 1], -1)
+    r, _ = _reciprocal_denominator(den, eps, clamp)
+    return num * r
