@@ -49,9 +49,9 @@ static inline float point_weight(const Points *points, int64_t j) {
 }
 
 /* One direction's scan over the sorted points (step +1 from the first, -1 from the last), writing the
-   sums at every point: sums0 [n, C], and sums1 for matern32 (C = width + ones). */
-static void scan(const Points *points, const float *y, const int32_t *order, int64_t n, int matern, int step,
-                 float *sums0, float *sums1) {
+   sums at every point: sums0 [n, C], and sums1 for matern32 (C = width + ones). decays[t] = e^{-(y_{t+1} - y_t)}. */
+static void scan(const Points *points, const float *y, const float *decays, const int32_t *order, int64_t n,
+                 int matern, int step, float *sums0, float *sums1) {
     int64_t width = points->width, channels = width + points->ones;
     int64_t p = step > 0 ? 0 : n - 1;
     float m = point_weight(points, order[p]);
@@ -64,7 +64,7 @@ static void scan(const Points *points, const float *y, const int32_t *order, int
     for (int64_t t = 1; t < n; t++) {
         int64_t next = p + step;
         float gap = step > 0 ? y[next] - y[p] : y[p] - y[next];  /* >= 0 */
-        float decay = expf(-gap);
+        float decay = decays[step > 0 ? p : next];
         const float *prev0 = s0, *prev1 = s1;
         s0 = sums0 + next * channels;
         if (matern) {
@@ -84,10 +84,12 @@ typedef struct {
     float *left0, *right0, *left1, *right1;
 } Sums;
 
+/* Both directions' scans; ``decays`` [n] is scratch (the two share each step's e^{-gap}). */
 static void scan_both_ways(const Points *points, const float *y, const int32_t *order, int64_t n, int matern,
-                           Sums *sums) {
-    scan(points, y, order, n, matern, 1, sums->left0, sums->left1);
-    scan(points, y, order, n, matern, -1, sums->right0, sums->right1);
+                           float *decays, Sums *sums) {
+    for (int64_t t = 0; t + 1 < n; t++) decays[t] = expf(-(y[t + 1] - y[t]));
+    scan(points, y, decays, order, n, matern, 1, sums->left0, sums->left1);
+    scan(points, y, decays, order, n, matern, -1, sums->right0, sums->right1);
 }
 
 /* A query's view of one side: the neighbour's row of sums and its gap (present = 0: no neighbour). */
@@ -100,6 +102,8 @@ typedef struct {
 /* The two neighbours of x among n sorted points whose first ``above`` are <= x. */
 static inline void neighbours(float x, const float *ys, int64_t n, int64_t above, const Sums *sums,
                               int64_t channels, int matern, Side *left, Side *right) {
+    *left = (Side){0, NULL, NULL, 0.0f};
+    *right = *left;
     left->present = above > 0;
     if (left->present) {
         int64_t p = above - 1;
@@ -127,9 +131,16 @@ static void add_value(float *acc, const Side *side, int64_t channels, int matern
     }
 }
 
+/* a . b in sixteen partial sums (one vector register: a single running sum would be a chain of dependent
+   adds, which the compiler may not reorder; the backward spent a sixth of its time there). */
 static inline float dot(const float *a, const float *b, int64_t channels) {
+    float part[16] = {0.0f};
+    int64_t c = 0;
+    for (; c + 16 <= channels; c += 16)
+        for (int lane = 0; lane < 16; lane++) part[lane] += a[c + lane] * b[c + lane];
     float total = 0.0f;
-    for (int64_t c = 0; c < channels; c++) total += a[c] * b[c];
+    for (; c < channels; c++) total += a[c] * b[c];
+    for (int lane = 0; lane < 16; lane++) total += part[lane];
     return total;
 }
 
@@ -199,7 +210,7 @@ static void sort_values(const float *x, int64_t n, float *sorted, int32_t *order
 typedef struct {
     void *block;
     Sums keys, queries;          /* scans over the keys (values u) and, backward, over the queries (G) */
-    float *acc, *ys, *xs, *grad_u, *g, *point;
+    float *acc, *ys, *xs, *grad_u, *g, *point, *decays;
     int32_t *yo, *xo;
     double *total, *total_g;
     SortScratch sort;
@@ -207,7 +218,7 @@ typedef struct {
 
 static int take_scratch(Scratch *s, int64_t nq, int64_t n, int64_t channels, int matern, int backward) {
     int64_t sides = matern ? 4 : 2, most = nq > n ? nq : n;
-    int64_t floats = sides * n * channels + nq * channels + n + nq + channels
+    int64_t floats = sides * n * channels + nq * channels + n + nq + channels + most
                      + (backward ? sides * nq * channels + n * channels : 0);
     size_t bytes = sizeof(float) * (size_t)floats + sizeof(int32_t) * (size_t)(n + nq + 2 * most)
                    + sizeof(uint32_t) * (size_t)(2 * most) + sizeof(double) * (size_t)(2 * channels);
@@ -229,6 +240,7 @@ static int take_scratch(Scratch *s, int64_t nq, int64_t n, int64_t channels, int
     s->g = s->acc;
     s->grad_u = backward ? f : NULL; f += backward ? n * channels : 0;
     s->point = f; f += channels;
+    s->decays = f; f += most;
     s->ys = f; f += n;
     s->xs = f; f += nq;
     int32_t *i32 = (int32_t *)f;
@@ -285,7 +297,7 @@ void sorting_attention_forward(const float *x, const float *y, const float *v, i
         for (int64_t r = 0; r < projections; r++) {
             sort_values(y + (row * projections + r) * n, n, s.ys, s.yo, &s.sort);
             sort_values(x + (row * projections + r) * nq, nq, s.xs, s.xo, &s.sort);
-            scan_both_ways(&keys, s.ys, s.yo, n, matern, &s.keys);
+            scan_both_ways(&keys, s.ys, s.yo, n, matern, s.decays, &s.keys);
             float weight = w[h * projections + r];
             int64_t above = 0;  /* keys <= the query: sorted positions < above */
             for (int64_t i = 0; i < nq; i++) {
@@ -348,7 +360,7 @@ void sorting_attention_backward(const float *x, const float *y, const float *v, 
             sort_values(yr, n, s.ys, s.yo, &s.sort);
             sort_values(xr, nq, s.xs, s.xo, &s.sort);
             /* Queries walk the keys' sums: G_i . S_r(x_i) for w_r, w_r G_i . S'_r(x_i) for x_i. */
-            scan_both_ways(&keys, s.ys, s.yo, n, matern, &s.keys);
+            scan_both_ways(&keys, s.ys, s.yo, n, matern, s.decays, &s.keys);
             double grad_weight = 0.0;
             int64_t above = 0;
             for (int64_t i = 0; i < nq; i++) {
@@ -364,7 +376,7 @@ void sorting_attention_backward(const float *x, const float *y, const float *v, 
             }
             grad_w[row * projections + r] = (float)grad_weight;
             /* Keys walk the queries' sums: w_r T_r(y_j) for u_j, w_r u_j . T'_r(y_j) for y_j. */
-            scan_both_ways(&grads, s.xs, s.xo, nq, matern, &s.queries);
+            scan_both_ways(&grads, s.xs, s.xo, nq, matern, s.decays, &s.queries);
             above = 0;  /* queries <= the key */
             for (int64_t j = 0; j < n; j++) {
                 Side left, right;
