@@ -171,13 +171,17 @@ def test_native_pass_equals_the_explicit_kernel(profile, threads, monkeypatch):
     torch.testing.assert_close(unmasked.double(), want, rtol=0, atol=2e-6)
 
 
+def sixteen_value_case(profile, seed, n):
+    """A layer of 3 heads x 16 and its inputs (B = 2): 17 channels with the mask's, a vector block and a tail."""
+    torch.manual_seed(0)
+    return LinearAttention("sorting", 16, 3, 0.25, profile=profile), tied_inputs(seed, batch=2, heads=3, n=n, d=16)
+
+
 @needs_native
 @pytest.mark.parametrize("profile", PROFILES)
 def test_native_pass_equals_the_pytorch_path(profile, monkeypatch):
     """At a length with several levels of the PyTorch path's block carry, and one key only."""
-    torch.manual_seed(0)
-    layer = LinearAttention("sorting", 16, 3, 0.25, profile=profile)
-    q, k, v, mask = tied_inputs(9, batch=2, heads=3, n=1100, d=16)
+    layer, (q, k, v, mask) = sixteen_value_case(profile, 9, 1100)
     calls = native_calls(monkeypatch)
     with torch.no_grad():
         fast, single = layer(q, k, v, mask), layer(q[:, :, :1], k[:, :, :1], v[:, :, :1])
@@ -192,9 +196,7 @@ def test_native_pass_equals_the_pytorch_path(profile, monkeypatch):
 @pytest.mark.parametrize("profile", PROFILES)
 def test_native_gradients_equal_the_pytorch_path(profile, monkeypatch):
     """17 channels (16 values and the mask's): the backward's dot products run one vector block and a tail."""
-    torch.manual_seed(0)
-    layer = LinearAttention("sorting", 16, 3, 0.25, profile=profile)
-    q, k, v, mask = tied_inputs(12, batch=2, heads=3, n=300, d=16)
+    layer, (q, k, v, mask) = sixteen_value_case(profile, 12, 300)
     q[:, :, 3] += 0.1  # no query on a key (laplace's kink)
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(13))
     calls = native_calls(monkeypatch)

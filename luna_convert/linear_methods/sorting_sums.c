@@ -216,14 +216,19 @@ typedef struct {
     SortScratch sort;
 } Scratch;
 
-static int take_scratch(Scratch *s, int64_t nq, int64_t n, int64_t channels, int matern, int backward) {
+/* The chunk's scratch in one allocation; without memory, *failed = 1 and 0 (the caller then writes nothing). */
+static int take_scratch(Scratch *s, int64_t nq, int64_t n, int64_t channels, int matern, int backward,
+                        int32_t *failed) {
     int64_t sides = matern ? 4 : 2, most = nq > n ? nq : n;
     int64_t floats = sides * n * channels + nq * channels + n + nq + channels + most
                      + (backward ? sides * nq * channels + n * channels : 0);
     size_t bytes = sizeof(float) * (size_t)floats + sizeof(int32_t) * (size_t)(n + nq + 2 * most)
                    + sizeof(uint32_t) * (size_t)(2 * most) + sizeof(double) * (size_t)(2 * channels);
     s->block = malloc(bytes);
-    if (!s->block) return 0;
+    if (!s->block) {
+        *failed = 1;
+        return 0;
+    }
     double *d = s->block;
     s->total = d;
     s->total_g = d + channels;
@@ -254,9 +259,10 @@ static int take_scratch(Scratch *s, int64_t nq, int64_t n, int64_t channels, int
     return 1;
 }
 
-/* The points u_j = m_j [v_j, 1] of row (b, h). */
+/* The points u_j = m_j [v_j, 1] of row b H + h. */
 static Points key_points(const float *v, int64_t batch_stride, int64_t head_stride, int64_t token_stride,
-                         const uint8_t *keep, int64_t b, int64_t h, int64_t n, int64_t values) {
+                         const uint8_t *keep, int64_t row, int64_t heads, int64_t n, int64_t values) {
+    int64_t b = row / heads, h = row % heads;
     Points points = {v + b * batch_stride + h * head_stride, token_stride, values, 1, keep ? keep + b * n : NULL};
     return points;
 }
@@ -284,13 +290,10 @@ void sorting_attention_forward(const float *x, const float *y, const float *v, i
                                float *out, float *den, int32_t *failed) {
     int64_t channels = values + 1;
     Scratch s;
-    if (!take_scratch(&s, nq, n, channels, matern, 0)) {
-        *failed = 1;
-        return;
-    }
+    if (!take_scratch(&s, nq, n, channels, matern, 0, failed)) return;
     for (int64_t row = row0; row < row1; row++) {
-        int64_t b = row / heads, h = row % heads;
-        Points keys = key_points(v, v_batch_stride, v_head_stride, v_token_stride, keep, b, h, n, values);
+        int64_t h = row % heads;
+        Points keys = key_points(v, v_batch_stride, v_head_stride, v_token_stride, keep, row, heads, n, values);
         sum_points(&keys, n, s.total);  /* the background: c0 sum_j u_j for every query */
         for (int64_t i = 0; i < nq; i++)
             for (int64_t c = 0; c < channels; c++) s.acc[i * channels + c] = (float)(c0[h] * s.total[c]);
@@ -331,13 +334,10 @@ void sorting_attention_backward(const float *x, const float *y, const float *v, 
                                 float *grad_y, float *grad_v, float *grad_w, float *grad_c0, int32_t *failed) {
     int64_t channels = values + 1;
     Scratch s;
-    if (!take_scratch(&s, nq, n, channels, matern, 1)) {
-        *failed = 1;
-        return;
-    }
+    if (!take_scratch(&s, nq, n, channels, matern, 1, failed)) return;
     for (int64_t row = row0; row < row1; row++) {
-        int64_t b = row / heads, h = row % heads;
-        Points keys = key_points(v, v_batch_stride, v_head_stride, v_token_stride, keep, b, h, n, values);
+        int64_t h = row % heads;
+        Points keys = key_points(v, v_batch_stride, v_head_stride, v_token_stride, keep, row, heads, n, values);
         /* G_i = dL/dacc_i, and the part every key gets through c0: c0 sum_i G_i. */
         for (int64_t i = 0; i < nq; i++) {
             const float *go = grad_out + (row * nq + i) * values, *o = out + (row * nq + i) * values;
