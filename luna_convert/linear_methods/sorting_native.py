@@ -62,7 +62,7 @@ def sorting_kernel_attention(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, 
 
 
 def _inputs(x, y, v, key_mask, w, c0):
-    """The tensors as the passes read them: x, y, w, c0 contiguous (einsum's [B, H, R, N] is not for B > 1),
+    """The tensors as the passes read them: x, y, w, c0 contiguous (``projected`` makes x and y so already),
     v with its channels contiguous, the mask as one byte per key."""
     keep = None if key_mask is None else key_mask.to(torch.bool).contiguous()  # one byte, 0 or 1, read as uint8
     return (x.contiguous(), y.contiguous(), v if v.stride(-1) == 1 else v.contiguous(), keep, w.contiguous(),
@@ -71,7 +71,7 @@ def _inputs(x, y, v, key_mask, w, c0):
 
 def _shared_args(x, y, v, keep, w, c0, matern) -> list:
     """The arguments both passes take first (``_INPUTS``)."""
-    b, heads, projections, nq = x.shape
+    _, heads, projections, nq = x.shape
     return [x.data_ptr(), y.data_ptr(), v.data_ptr(), *v.stride()[:3], 0 if keep is None else keep.data_ptr(),
             w.data_ptr(), c0.data_ptr(), heads, projections, nq, y.shape[-1], v.shape[-1], int(matern)]
 
