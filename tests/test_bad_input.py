@@ -199,6 +199,15 @@ def test_eval_bad_input(world, case, build, message):
     assert_one_line_error(build(world), message)
 
 
+def test_a_mistyped_relative_folder_is_not_sent_to_the_hub(world, monkeypatch):
+    """"outputs/<typo>" has the shape of a hub id ("org/name"); its first part being a local folder says it is a path."""
+    monkeypatch.chdir(world["root"])
+    assert_one_line_error(["eval", "empty/no-such-run"], "model folder empty/no-such-run does not exist")
+    assert_one_line_error(["run", "--model", "empty/no-such-model", "--data-dir", "SST-2", "--task", "sst2",
+                           "--output-dir", "out"], "model folder empty/no-such-model does not exist",
+                          world["root"] / "out")
+
+
 def test_load_of_a_folder_that_is_not_a_converted_model(world):
     from luna_convert.serialization import load
 

@@ -131,7 +131,7 @@ def load_model(source: str, num_labels: int | None = None, level: str = "sequenc
         return load_model(str(folder), num_labels, level)
     if level == "embedding":
         return load_sentence_embedder(source)
-    if not path.exists() and (source.startswith((".", "/", "~")) or source.count("/") > 1):
+    if missing_local_folder(source):
         raise LunaConvertError(f"model folder {source} does not exist; pass a local folder or a hub id")
     if path.is_dir():
         check_model_folder(path)
@@ -204,7 +204,7 @@ def load_sentence_embedder(source: str) -> LoadedModel:
         note = (f"sentence-transformers model: {pooling} pooling" + (", normalized" if normalize else "")
                 + " (modules.json)")
     else:
-        if not path.exists() and (source.startswith((".", "/", "~")) or source.count("/") > 1):
+        if missing_local_folder(source):
             raise LunaConvertError(f"model folder {source} does not exist; pass a local folder or a hub id")
         if path.is_dir():
             check_model_folder(path)
@@ -231,6 +231,17 @@ def _local_load_error(source: str, error: Exception) -> LunaConvertError:
     return LunaConvertError(f"cannot load the model in {source} ({type(error).__name__}: {reason}); the folder must "
                             "hold a complete transformers checkpoint (config.json and its weights) of a "
                             "sequence-, token- or image-classification, question-answering or encoder model")
+
+
+def missing_local_folder(source: str) -> bool:
+    """Whether ``source`` names a local folder that is not there rather than a hub id ("org/name"): it does not
+    exist and starts with . / or ~, has more than one slash, or has one and its first part is a local folder
+    (``outputs/<run>`` mistyped would otherwise be sent to the hub as a repository of "outputs")."""
+    path = Path(source)
+    if path.exists():
+        return False
+    return source.startswith((".", "/", "~")) or source.count("/") > 1 or (source.count("/") == 1
+                                                                          and path.parent.is_dir())
 
 
 def check_model_folder(path: Path) -> None:

@@ -29,7 +29,7 @@ from ..engine.head_fit import head_fit
 from ..engine.lora import add_lora, merge_lora
 from ..engine.training import distill_attention, embedding_loss, finetune, read_trainer_state
 from ..tasks import get_task
-from .models import check_model_folder, example_inputs, load_model
+from .models import check_model_folder, example_inputs, load_model, missing_local_folder
 from .teachers import ensure_builtin
 from ..engine.scoring import score
 from .task_data import TaskData, steps_for
@@ -450,7 +450,7 @@ def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | No
         check_model_folder(path)
     elif path.exists():
         raise LunaConvertError(f"{path} is a file; pass a run folder, a saved model folder or a checkpoint folder")
-    elif source.startswith((".", "/", "~")) or source.count("/") > 1:
+    elif missing_local_folder(source):
         raise LunaConvertError(f"model folder {source} does not exist; pass a run folder under outputs/, a saved "
                                "model folder or a hub id")
     task_name = task or run_config.task or meta_task
