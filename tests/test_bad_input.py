@@ -17,12 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from luna_convert.cli import app
 from luna_convert.errors import LunaConvertError
 
-from builders import write_bert_checkpoint, write_image_folder, write_sst2, write_timm_checkpoint
+from builders import (cli_error_line, invoke_cli, write_bert_checkpoint, write_image_folder, write_sst2,
+                      write_timm_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -91,15 +90,11 @@ def run_args(model, data, out: Path, *extra, task: str = "sst2") -> list[str]:
 
 
 def assert_one_line_error(args: list[str], message: str, out: Path | None = None) -> str:
-    result = CliRunner().invoke(app, args)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.exit_code == 2, (result.exit_code, result.output[-2000:], repr(result.exception))
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    assert message in lines[0], lines[0]
-    assert "Traceback" not in result.output
+    line = cli_error_line(invoke_cli(*args))
+    assert message in line, line
     if out is not None:  # nothing half-written: no run folder appeared
         assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
-    return lines[0]
+    return line
 
 
 # (case id, run arguments as a function of the world and the output folder, expected words)
@@ -244,7 +239,7 @@ def test_existing_run_folder_is_kept_unless_overwrite(world, tmp_path):
     old run must not leak into the new one)."""
     run_dir = tmp_path / "my-run"
     args = run_args(world["bert"], world["sst2"], tmp_path, "--run-dir", str(run_dir), "--method", "t2r")
-    first = CliRunner().invoke(app, args)
+    first = invoke_cli(*args)
     assert first.exit_code == 0, first.output[-2000:]
     snapshot = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
 
@@ -256,7 +251,7 @@ def test_existing_run_folder_is_kept_unless_overwrite(world, tmp_path):
     (run_dir / "trainer_state.json").write_text(json.dumps({"stage": "finetune", "step": 1, "checkpoint": "x"}))
     (run_dir / "checkpoints" / "distilled").mkdir(parents=True)
     (run_dir / "checkpoints" / "distilled" / "stale.txt").write_text("old")
-    again = CliRunner().invoke(app, [*args, "--overwrite"])
+    again = invoke_cli(*args, "--overwrite")
     assert again.exit_code == 0, again.output[-2000:]
     results = json.loads((run_dir / "results.json").read_text())
     assert results["teacher_score"] != 0.123 and results["run_dir"] == str(run_dir)

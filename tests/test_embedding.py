@@ -22,7 +22,7 @@ from luna_convert.run.models import load_model
 from luna_convert.run.pipeline import evaluate_model, run_conversion
 from luna_convert.sentence_embedding import SentenceEmbedder, pool
 from luna_convert.tasks import get_task
-from builders import WORDS, config_for, run_cli, saved_tokenizer, write_bert_checkpoint, write_sst2
+from builders import WORDS, cli_error_line, config_for, invoke_cli, saved_tokenizer, write_bert_checkpoint, write_sst2
 
 EMBEDDING = get_task("embedding")
 LEGACY_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens"}
@@ -266,11 +266,11 @@ def test_the_saved_folder_loads_in_sentence_transformers_and_encodes_the_same(co
 @pytest.mark.parametrize("layout", ["stsb", "sentences"])
 def test_a_cli_run_writes_the_headline_and_eval_reproduces_it(sentence_model, tmp_path, layout):
     data_dir = write_stsb(tmp_path / "stsb") if layout == "stsb" else write_sst2(tmp_path / "sst2", 24, 12)
-    proc = run_cli("run", "--model", sentence_model, "--data-dir", data_dir, "--task", "sentence-embedding",
-                   "--method", "luna", "--output-dir", tmp_path / "out", "--set", "train.max_steps=3",
-                   "--set", "train.batch_size=8", "--set", "distill.default_steps=2", "--set",
-                   "train.embedding_loss=mse", "--lr", "0.001", "--seed", "0", timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = invoke_cli("run", "--model", sentence_model, "--data-dir", data_dir, "--task", "sentence-embedding",
+                        "--method", "luna", "--output-dir", tmp_path / "out", "--set", "train.max_steps=3",
+                        "--set", "train.batch_size=8", "--set", "distill.default_steps=2", "--set",
+                        "train.embedding_loss=mse", "--lr", "0.001", "--seed", "0")
+    assert result.exit_code == 0, result.output[-3000:]
     (results_file,) = (tmp_path / "out").glob("*/results.json")
     results = json.loads(results_file.read_text())
     headline = {"stsb": "spearmanr", "sentences": "teacher_cosine"}[layout]
@@ -282,9 +282,9 @@ def test_a_cli_run_writes_the_headline_and_eval_reproduces_it(sentence_model, tm
     else:  # the teacher's own Spearman (0.75 measured): its similarities follow the shared words
         assert results["teacher_score"] > 0.3
     assert results["config"]["train"]["embedding_loss"] == "mse"
-    proc = run_cli("eval", results_file.parent, "--json", timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout)["metrics"] == results["converted_metrics"]  # progress lines go to stderr
+    result = invoke_cli("eval", results_file.parent, "--json")
+    assert result.exit_code == 0, result.output[-3000:]
+    assert json.loads(result.stdout)["metrics"] == results["converted_metrics"]  # progress lines go to stderr
 
 
 # ------------------------------------------------------------------ bad input
@@ -338,9 +338,9 @@ def test_metric_chooses_within_what_the_data_gives_and_refuses_the_rest(sentence
 def test_logits_distillation_is_refused_for_the_embedding_task(sentence_model, tmp_path):
     message = _one_line_error(lambda: RunConfig.from_dict({"task": "embedding", "distill": {"target": "logits"}}))
     assert message.startswith("distill.target=logits does not fit --task embedding")
-    proc = run_cli("run", "--model", sentence_model, "--data-dir", write_sst2(tmp_path / "d", 4, 3), "--task",
-                   "embedding", "--set", "distill.target=logits", "--output-dir", tmp_path / "out")
-    assert proc.returncode != 0 and "distill.target=logits does not fit --task embedding" in proc.stderr
+    result = invoke_cli("run", "--model", sentence_model, "--data-dir", write_sst2(tmp_path / "d", 4, 3), "--task",
+                        "embedding", "--set", "distill.target=logits", "--output-dir", tmp_path / "out")
+    assert "distill.target=logits does not fit --task embedding" in cli_error_line(result, alone=False)
     assert not (tmp_path / "out").exists()
 
 

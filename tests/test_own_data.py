@@ -17,7 +17,7 @@ from luna_convert.errors import LunaConvertError
 from luna_convert.run.config import RunConfig
 from luna_convert.run.models import load_model
 from luna_convert.run.recipes import apply_overrides, load_recipe
-from builders import start_cli, write_timm_checkpoint
+from builders import cli_error_line, invoke_cli, write_timm_checkpoint
 
 POS, NEG, FILL = ["good", "great", "fine"], ["awful", "bad", "poor"], "movie film plot actor the a is was very not".split()
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *POS, *NEG, *FILL]
@@ -316,7 +316,7 @@ def test_regression_end_to_end(tmp_path):
 
 
 def test_cli_pair_classification_end_to_end_and_errors(tmp_path, bert, csv_data):
-    """One real CLI run (pair classification, label names mapped) and every data error, in parallel."""
+    """One CLI run (pair classification, label names mapped) and every data error."""
     nli = tiny_bert(tmp_path / "nli", id2label={0: "entailment", 1: "contradiction"})
     pair = tmp_path / "pair"
     write_jsonl(pair / "train.jsonl", rows(24, 10, "pair", ["Entailment", "contradiction"]))
@@ -328,30 +328,24 @@ def test_cli_pair_classification_end_to_end_and_errors(tmp_path, bert, csv_data)
     write_csv(empty / "train.csv", rows(12, 14))
     write_csv(empty / "dev.csv", [], header=["review", "stars"])
     out = tmp_path / "out"
-    procs = {
-        "pair": start_cli("run", "--model", nli, "--data-dir", pair, "--method", "t2r", "--max-steps", "2",
-                        "--output-dir", out),
-        "wrong column": start_cli("run", "--model", bert, "--data-dir", csv_data, "--text-column", "body",
-                                "--output-dir", tmp_path / "o1"),
-        "missing column": start_cli("run", "--model", bert, "--data-dir", csv_data, "--task", "text-pair-classification",
-                                  "--output-dir", tmp_path / "o2"),
-        "labels": start_cli("run", "--model", nli, "--data-dir", bad, "--output-dir", tmp_path / "o3"),
-        "empty": start_cli("run", "--model", bert, "--data-dir", empty, "--output-dir", tmp_path / "o4"),
-    }
-    done = {k: (p.communicate(timeout=240), p.returncode) for k, p in procs.items()}
+    # in-process (tests/test_bad_input.py checks a real process's one line)
     expected = {
-        "wrong column": "column 'body' (--text-column) is not in train.csv; its columns are review, stars, id",
-        "missing column": "needs two text columns but only 'review' was found",
-        "labels": "data label 'good' does not match the model's id2label",
-        "empty": "dev.csv is empty",
+        "wrong column": (("--model", bert, "--data-dir", csv_data, "--text-column", "body"),
+                         "column 'body' (--text-column) is not in train.csv; its columns are review, stars, id"),
+        "missing column": (("--model", bert, "--data-dir", csv_data, "--task", "text-pair-classification"),
+                           "needs two text columns but only 'review' was found"),
+        "labels": (("--model", nli, "--data-dir", bad), "data label 'good' does not match the model's id2label"),
+        "empty": (("--model", bert, "--data-dir", empty), "dev.csv is empty"),
     }
-    for case, message in expected.items():
-        (stdout, stderr), rc = done[case]
-        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-        assert rc == 2 and len(errors) == 1 and message in errors[0], (case, stderr[-1500:])
-        assert "Traceback" not in stderr
-    (stdout, stderr), rc = done["pair"]
-    assert rc == 0, stderr[-2000:]
+    for case, (args, message) in expected.items():
+        folder = tmp_path / ("out-" + case.replace(" ", "-"))
+        line = cli_error_line(invoke_cli("run", *args, "--output-dir", folder), alone=False)  # after loading bars
+        assert message in line, (case, line)
+        assert not folder.exists() or not any(folder.iterdir()), case
+    result = invoke_cli("run", "--model", nli, "--data-dir", pair, "--method", "t2r", "--max-steps", "2",
+                        "--output-dir", out)
+    assert result.exit_code == 0, result.output[-2000:]
+    stdout = result.stdout
     assert "own data: task text-pair-classification" in stdout and "text=premise" in stdout
     (results_file,) = out.glob("*/results.json")
     results = json.loads(results_file.read_text())

@@ -18,7 +18,7 @@ from luna_convert.folder_layout import LOG_FILE
 from luna_convert.metrics import compute_metrics, metric_names, normalize_answer
 from luna_convert.run.pipeline import run_conversion
 from luna_convert.tasks import get_task
-from builders import config_for, run_cli, write_bert_checkpoint, saved_tokenizer, train_tiny_teacher
+from builders import config_for, invoke_cli, write_bert_checkpoint, saved_tokenizer, train_tiny_teacher
 
 QA = get_task("qa")
 NAMES, CITIES, ORGS = ("john", "mary", "anna"), ("paris", "london", "rome"), ("acme", "globex")
@@ -292,10 +292,10 @@ def test_qa_run_through_the_cli_and_eval_of_its_folder(qa_setup, tmp_path):
     from luna_convert.run.pipeline import evaluate_model
 
     model_dir, data_dir = qa_setup
-    proc = run_cli("run", "--model", model_dir, "--data-dir", data_dir, "--task", "qa", "--method", "luna",
-                   "--output-dir", tmp_path, "--set", "train.max_steps=3", "--set", "train.batch_size=8",
-                   "--set", "distill.default_steps=2", "--lr", "0.001", "--seed", "0")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = invoke_cli("run", "--model", model_dir, "--data-dir", data_dir, "--task", "qa", "--method", "luna",
+                        "--output-dir", tmp_path, "--set", "train.max_steps=3", "--set", "train.batch_size=8",
+                        "--set", "distill.default_steps=2", "--lr", "0.001", "--seed", "0")
+    assert result.exit_code == 0, result.output[-3000:]
     (results_file,) = tmp_path.glob("*/results.json")
     results = json.loads(results_file.read_text())
     assert results["task"] == "qa" and results["headline_metric"] == "f1" and results["eval_examples"] == 12
