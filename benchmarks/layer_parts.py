@@ -1,0 +1,68 @@
+"""Where one attention layer's forward time goes (no gradients), fastest of many calls in one process
+(docs/benchmarks.md, *Session 18*).
+
+Timed apart, on the same [B, H, N, d] inputs: the whole layer; its feature maps (queries and keys); the
+linear-attention core before its division (``ops.linear.linear_attention_unnormalised``); the DWC branch
+with the division (where the method has one); then the core's second product phi_q [S | z] with its 65
+columns against phi_q S with 64, and three ways of computing the denominator phi_q z apart.
+
+    python benchmarks/layer_parts.py --method "luna:projections=8:channels=8:per_head_projections=false:projection_init=random:channel_init=random:feature_norm=none:separate_key_map=false"
+    python benchmarks/layer_parts.py --method luna --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from map_fastest import fastest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--method", default="luna", help="a bench layer name, options after colons")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--calls", type=int, default=25)
+    args = parser.parse_args()
+
+    import torch
+
+    from luna_convert.ops.linear import linear_attention_unnormalised
+    from luna_convert.ops.reference import EPS
+    from luna_convert.tools.bench import LinearAttention, layer_variant
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    base, options = layer_variant(args.method)
+    layer = LinearAttention(base, args.head_dim, args.heads, args.head_dim**-0.5, **options)
+    shape = (args.batch, args.heads, args.tokens, args.head_dim)
+    q, k, v = (torch.randn(shape) for _ in range(3))
+
+    def show(name: str, fn) -> None:
+        ms, faults = fastest(fn, args.calls)
+        print(f"{name:44s} {ms:8.2f} ms  ({faults:.0f} minor faults a call)")
+
+    with torch.no_grad():
+        phi_q, phi_k = layer.features(q, k, None)
+        sums = linear_attention_unnormalised(phi_q, phi_k, v)
+        show("layer", lambda: layer(q, k, v))
+        show("feature maps (q and k)", lambda: layer.features(q, k, None))
+        show("core, undivided", lambda: linear_attention_unnormalised(phi_q, phi_k, v))
+        if layer.dwc is not None:
+            show("DWC with the division", lambda: layer.dwc(v, None, plus=sums, divide=(EPS, False)))
+        rows, width = args.batch * args.heads, phi_q.shape[-1]
+        phi = phi_q.reshape(rows, args.tokens, width)
+        sz = torch.randn(rows, width, args.head_dim + 1)
+        s, z = sz[..., :-1].contiguous(), sz[..., -1].contiguous()
+        show(f"phi_q [S | z], D = {width}, 65 columns", lambda: torch.bmm(phi, sz))
+        show("phi_q S, 64 columns", lambda: torch.bmm(phi, s))
+        show("phi_q z apart: bmm(phi_q, z)", lambda: torch.bmm(phi, z[:, :, None]))
+        show("phi_q z apart: (phi_q * z).sum(-1)", lambda: (phi * z[:, None]).sum(-1))
+        show("phi_q z apart: bmm(z^T, phi_q^T)", lambda: torch.bmm(z[:, None], phi.transpose(1, 2)))
+
+
+if __name__ == "__main__":
+    main()
