@@ -20,6 +20,7 @@ from typer.core import TyperGroup
 # light modules (no torch): imported here; the rest inside each command
 from .errors import LunaConvertError
 from .folder_layout import CURVES_FILE, MODEL_CARD_FILE, MODEL_DIR, RESULTS_FILE, TABLE_FILE
+from .tools.heap import keep_heap
 
 console = Console(stderr=False)
 err_console = Console(stderr=True)
@@ -549,6 +550,7 @@ def _guard(fn):
 
 
 def main() -> None:
+    keep_heap()  # before the first large tensor: freed buffers are reused, not faulted in again (tools.heap)
     if "--debug" in sys.argv[2:]:  # accepted anywhere on the line: moved to where the group option goes
         sys.argv.remove("--debug")
         sys.argv.insert(1, "--debug")
