@@ -25,18 +25,19 @@ MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit systems
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: 2 GiB, in effect never
 
 
-_policy = {"said": None}  # what keep_heap did in this process
+_said: str | None = None  # what keep_heap did in this process
 
 
 def heap_policy() -> str:
     """The heap policy of this process, in words (for bench.json)."""
-    return _policy["said"] or "glibc's defaults (keep_heap not called: luna_convert used from Python)"
+    return _said or "glibc's defaults (keep_heap not called: luna_convert used from Python)"
 
 
 def keep_heap() -> str:
     """Make glibc serve buffers up to 32 MiB from a heap it never trims; returns what was done, in words."""
-    _policy["said"] = _keep_heap()
-    return _policy["said"]
+    global _said
+    _said = _keep_heap()
+    return _said
 
 
 def _keep_heap() -> str:
@@ -52,6 +53,8 @@ def _keep_heap() -> str:
     except (OSError, AttributeError):
         return "the C library's defaults (no mallopt)"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # the threshold first: a refusal there changes nothing, where a trim threshold alone would fix glibc's
+    # mmap threshold at its 128 KiB start and map every large buffer afresh
     if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
         return "the C library's defaults (mallopt refused)"
     return "kept: buffers up to 32 MiB from a heap that is never trimmed"
