@@ -7,7 +7,7 @@ with the division (where the method has one); then the core's second product phi
 columns against phi_q S with 64, and three ways of computing the denominator phi_q z apart.
 
     python benchmarks/layer_parts.py --method "luna:projections=8:channels=8:per_head_projections=false:projection_init=random:channel_init=random:feature_norm=none:separate_key_map=false"
-    python benchmarks/layer_parts.py --method luna --threads 2
+    python benchmarks/layer_parts.py --method luna --threads 2 --keep-heap
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--calls", type=int, default=25)
+    parser.add_argument("--keep-heap", action="store_true", help="glibc's heap as the luna-convert command keeps it "
+                        "(luna_convert.tools.heap); without it, glibc's defaults, as a Python user gets them")
     args = parser.parse_args()
+    if args.keep_heap:
+        from luna_convert.tools.heap import keep_heap
+
+        print("heap:", keep_heap())
 
     import torch
 
