@@ -1,12 +1,9 @@
 """What the tests build on disk: tiny checkpoints and datasets written in the test, run configs, and
-the command line run as a subprocess. Shared by every test module (imported as ``builders``)."""
+the command line run in-process. Shared by every test module (imported as ``builders``)."""
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -123,14 +120,10 @@ def config_for(model: Path, data: Path, task: str, method: str, out: Path, **tra
     return apply_overrides(load_recipe(None), overrides)
 
 
-def cli_env(**extra) -> dict:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
-
-
 def invoke_cli(*args):
-    """The CLI run in this process (typer's CliRunner, stdout and stderr apart): seconds faster than
-    ``run_cli`` (no fresh interpreter importing torch and transformers); ``run_cli`` where a test needs a
-    real process (exit codes as the shell sees them, signals, accelerate's launcher)."""
+    """The CLI run in this process (typer's CliRunner, stdout and stderr apart): seconds faster than a
+    subprocess (no fresh interpreter importing torch and transformers). The tests that need a real process
+    (exit codes as the shell sees them, signals, accelerate's launcher) start one themselves."""
     from typer.testing import CliRunner
 
     from luna_convert.cli import app
@@ -148,18 +141,6 @@ def cli_error_line(result, alone: bool = True) -> str:
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert "Traceback" not in result.output
     return lines[0]
-
-
-def run_cli(*args, env_extra=None, timeout=300) -> subprocess.CompletedProcess:
-    """``python -m luna_convert ARGS`` to completion, output captured."""
-    return subprocess.run([sys.executable, "-m", "luna_convert", *map(str, args)], capture_output=True, text=True,
-                          env=cli_env(**(env_extra or {})), timeout=timeout)
-
-
-def start_cli(*args) -> subprocess.Popen:
-    """``python -m luna_convert ARGS`` started in the background (one thread), pipes open."""
-    return subprocess.Popen([sys.executable, "-m", "luna_convert", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=cli_env(OMP_NUM_THREADS="1"))
 
 
 def randomize_dwc(model: nn.Module, seed: int = 0) -> None:
