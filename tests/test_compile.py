@@ -171,7 +171,7 @@ def ops_per_forward(method: str, tokens: int, train: bool = False, **options) ->
 # luna: its channel kernel (before: a loop over chunks of scalars); sorting: a sort, two scans and carries.
 # luna 116 -> 62 with the native channel kernel (luna_native: one call per map for the channels and the norm);
 # "luna-pytorch" is LUNA with it off (LUNA_CONVERT_NATIVE=0, or no C compiler), as "luna" is without one.
-# Session 12, fewer full-size passes in the maps (docs/benchmarks.md): cosformer 64 -> 68 and performer
+# Session 12, fewer full-size passes in the maps (docs/performance-log.md): cosformer 64 -> 68 and performer
 # 65 -> 67 (small calls that fold scales into the weights or stabilisers, so that the [N, D] tensors are
 # written fewer times), flexformer and llops unchanged.
 # Session 17: sorting 235 -> 28 with its native passes (sorting_native: the sorts, scans and merges in one
@@ -181,9 +181,11 @@ def ops_per_forward(method: str, tokens: int, train: bool = False, **options) ->
 # the pad keys' -inf as its added input (performer.positive_random_features, shared by both; the scales on the
 # small operands, 4 calls more than with baddbmm's beta and alpha, whose backward costs a pass over the
 # logits' gradient); llops 76 -> 59: the sketch's operands derived once for queries and keys (LLoPSFeatureMap.each).
+# Session 19: elu 30 -> 33, its map as relu, sub, exp and add instead of elu and add (F.elu's expm1 runs
+# scalar on the CPU: the layer's forward 2.3-2.6x faster, docs/performance-log.md).
 NATIVE = luna_native.library() is not None
 SORTING_NATIVE = sorting_native.library() is not None
-MEASURED_OPS = {"cosformer": 68, "ela": 45, "elu": 30, "flexformer": 57, "hedgehog": 60, "llops": 59,
+MEASURED_OPS = {"cosformer": 68, "ela": 45, "elu": 33, "flexformer": 57, "hedgehog": 60, "llops": 59,
                 "luna": 62 if NATIVE else 116, "luna-pytorch": 116,
                 "performer": 59, "relu": 28, "sorting": 28 if SORTING_NATIVE else 219, "sorting-pytorch": 219,
                 "taylor": 46, "t2r": 39, "t2r-hh": 39}

@@ -8,7 +8,6 @@ features (so the denominator never vanishes). A fixed-kernel floor to compare th
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..ops.context import AttentionContext
 from .base import AttentionOptions, FeatureMap, Method
@@ -26,7 +25,11 @@ class EluFeatureMap(FeatureMap):
         return self.head_dim
 
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
-        return F.elu(x) + 1
+        # elu(x) + 1 = r + exp(x - r), r = relu(x): x - r is min(x, 0), exactly. Not F.elu: on the CPU its
+        # expm1 runs scalar, about 6x slower than this whole map (docs/performance-log.md, *Session 19*); not
+        # clamp or where, whose backward runs another slow kernel. exp never sees a positive x, so no inf.
+        r = torch.relu(x)
+        return torch.exp(x - r) + r
 
 
 ELU = register(Method(
