@@ -1,5 +1,5 @@
 """LUNA's channel bank and feature norm for one map, native kernel against the PyTorch path
-(docs/benchmarks.md, *LUNA's native channel kernel*).
+(docs/performance-log.md, *LUNA's native channel kernel*).
 
 One map at the conversion defaults: 12 heads x N tokens x 64 projections, L = 2 channels at their exp
 init, the feature norm (``--form paper``: 8 projections, L = 8 channels at their random init, no norm);

@@ -1,4 +1,4 @@
-"""One attention layer at two commits, timed in one process (docs/benchmarks.md, *Fewer passes over
+"""One attention layer at two commits, timed in one process (docs/performance-log.md, *Fewer passes over
 memory in the feature maps*).
 
 The package as it is at --base (a git commit) is exported beside the working tree's under another name,

@@ -1,5 +1,5 @@
 """Where one attention layer's forward time goes (no gradients), fastest of many calls in one process
-(docs/benchmarks.md, *Session 18*).
+(docs/performance-log.md, *Session 18*).
 
 Timed apart, on the same [B, H, N, d] inputs: the whole layer; its feature maps (queries and keys); the
 linear-attention core before its division (``ops.linear.linear_attention_unnormalised``); the DWC branch
