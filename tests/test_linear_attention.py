@@ -9,6 +9,7 @@ import torch
 from luna_convert.layers.attention import DepthwiseConvBranch, LinearAttention
 from luna_convert.linear_methods import FEATURE_MAPS, build_feature_map
 from luna_convert.ops.context import AttentionContext
+from luna_convert.ops.layout import tokens_first
 from luna_convert.ops.linear import linear_attention
 from luna_convert.ops.reference import (
     EPS,
@@ -566,3 +567,20 @@ def test_float64_is_computed_in_float64(name, path):
     rows = mask[:, None, :, None].expand_as(out)
     torch.testing.assert_close(out[rows], ref[rows], rtol=0, atol=5e-15)  # measured 8.9e-16
     assert torch.autograd.gradcheck(forward, (q, k, v, *params))
+
+
+def test_tokens_first_is_the_transposed_view_and_hands_back_a_contiguous_gradient():
+    """Features built [.., D, N] get their gradient in that layout, contiguous (Taylor's and LLoPS's backward
+    passes read it along rows); a plain transpose hands on a gradient strided across them."""
+    built = torch.randn(2, 3, 5, 7, requires_grad=True)  # [B, H, D, N]
+    weights = torch.randn(2, 3, 5, 7)
+    seen = []
+    built.register_hook(lambda grad: seen.append(grad.is_contiguous()))
+    for hand_on in (tokens_first, lambda x: x.transpose(-1, -2)):
+        view = hand_on(built)
+        assert torch.equal(view, built.transpose(-1, -2))
+        torch.bmm(view.reshape(6, 7, 5), weights.reshape(6, 5, 7)).sum().backward()
+    assert seen == [True, False]
+    # each pass adds sum_m weights[.., j, m] to every token of feature j
+    torch.testing.assert_close(built.grad, 2 * weights.sum(-1, keepdim=True).expand(2, 3, 5, 7))
+

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
+from ..ops.layout import tokens_first
 from .base import AttentionOptions, FeatureMap, Method, check_int, check_positive_int, option
 from .registry import register
 from .taylor import upper_triangle
@@ -108,7 +109,7 @@ class LLoPSFeatureMap(FeatureMap):
         # last axis (see Taylor).
         left = torch.cat([psi, psi * 2**0.5], -2)
         features = left.index_select(-2, self.left_rows) * left.index_select(-2, self.right_rows)
-        return features.transpose(-1, -2)
+        return tokens_first(features)
 
 
 LLOPS = register(Method(

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
+from ..ops.layout import tokens_first
 from .base import AttentionOptions, FeatureMap, Method, option
 from .registry import register
 
@@ -97,7 +98,7 @@ class TaylorFeatureMap(FeatureMap):
             left = torch.cat([ones, xt * d**-0.25, xt * d**-0.5, xt * (2 * d)**-0.5], -2)
             right = torch.cat([ones, xt], -2)
             features = left.index_select(-2, self.left_rows) * right.index_select(-2, self.right_rows)
-            return features.transpose(-1, -2)
+            return tokens_first(features)
 
 
 TAYLOR = register(Method(
