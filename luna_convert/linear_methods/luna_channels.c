@@ -257,8 +257,8 @@ static inline void backward_rows(const float *x, int64_t rows, int32_t M, const 
     float f[MAX_ROW]; /* one row's features */
     float r_[MAX_CHANNELS], dot[MAX_CHANNELS];
     for (int64_t q = 0; q < rows; ++q) {
-        /* the next rows' intervals in one vectorised search, as the forward does (one scalar at a time, as
-           before session 19, took 10 of this function's 26 ms at LUNA's defaults: 49,152 rows of 64) */
+        /* the next rows' intervals in one vectorised search, as the forward does (one scalar at a time, the
+           search took 10 of this function's 26 ms at LUNA's defaults: 49,152 rows of 64) */
         if (q % per == 0) locate_block(g, x + q * M, (q + per < rows ? per : rows - q) * M, located);
         const int32_t *idx = located + (q % per) * M;
         const float *xr = x + q * M, *gr = grad_out + q * (int64_t)M * L;
