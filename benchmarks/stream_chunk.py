@@ -51,7 +51,7 @@ def main() -> None:
                     layer.stream_chunk_bytes = size * MIB
                     best[size][0] = min(best[size][0], fastest_ms(forward, 2))
                     best[size][1] = min(best[size][1], fastest_ms(train_step, 1))
-                    calls[size] = bench.forward_ops(forward)
+                    calls[size] = bench.forward_ops(forward).total
             for size in sizes:
                 layer.stream_chunk_bytes = size * MIB
                 chunk = layer.stream_chunk(1, n, training=False)

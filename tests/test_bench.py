@@ -27,6 +27,9 @@ def test_quick_benchmark_writes_json_and_png(tmp_path):
     ops = {(r["method"], r["n"]): r["fwd_ops"] for r in rows}
     for m in ("luna", "t2r"):  # counted per forward; the same at every length
         assert isinstance(ops[(m, 32)], int) and ops[(m, 32)] > 10 and ops[(m, 32)] == ops[(m, 64)]
+    views = {(r["method"], r["n"]): r["fwd_view_ops"] for r in rows}
+    for key in views:  # the core's reshapes and transposes are views; its products and division are not
+        assert 0 < views[key] < ops[key] or key[0].startswith("softmax"), (key, views[key], ops[key])
     for r in rows:
         assert _positive(r["fwd_ms"]) and _positive(r["fwd_bwd_ms"]), r
         assert _positive(r["fwd_bwd_peak_mb"]), r

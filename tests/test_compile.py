@@ -213,6 +213,14 @@ def test_operator_calls_per_forward_are_few_and_do_not_grow_with_n(method, monke
     assert short.total <= bound * OP_SLACK, short.by_op.most_common(12)
 
 
+def test_the_operator_counter_counts_views_apart():
+    x = torch.randn(4, 6)
+    with AtenOpCounter() as ops:
+        y = x.view(6, 4).t()  # two views
+        (y + 1).sum()  # two calls that compute
+    assert (ops.total, ops.views) == (4, 2), ops.by_op
+
+
 def test_layers_after_the_first_reuse_the_read_key_padding_mask():
     """Every layer of a model gets the same mask tensor: the first reads it (its checks synchronise with
     the host), the next ones reuse that reading; a new mask tensor is read again."""

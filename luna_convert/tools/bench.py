@@ -183,11 +183,18 @@ def peak_memory(fns: dict[str, Callable[[], object]], device, setup: Callable[[s
     return peaks
 
 
-def forward_ops(fn: Callable[[], object]) -> int:
-    """aten operator calls of one run of ``fn`` (after the runs already timed: caches are warm)."""
+def forward_ops(fn: Callable[[], object]) -> AtenOpCounter:
+    """The aten operator calls of one run of ``fn`` (after the runs already timed: caches are warm)."""
     with AtenOpCounter() as ops:
         fn()
-    return ops.total
+    return ops
+
+
+def _operator_calls_cell(row: dict) -> str:
+    """A layer's calls per forward for a table, "37 (17)": all of them, and in brackets the views among them
+    (rows of bench.json written before views were counted show the total alone)."""
+    views = row.get("fwd_view_ops")
+    return str(row["fwd_ops"]) if views is None else f"{row['fwd_ops']} ({views})"
 
 
 def _median_ms(times: Sequence[float]) -> float:
@@ -324,7 +331,8 @@ def bench_layers(lengths: Sequence[int], methods: Sequence[str], device, repeats
             row = {"method": m, "n": n, "fwd_ms": _median_ms(fwd[m]), "fwd_bwd_ms": _median_ms(fb[m]),
                    "fwd_runs_ms": [1000 * t for t in fwd[m]], "fwd_bwd_runs_ms": [1000 * t for t in fb[m]]}
             if count_ops:
-                row["fwd_ops"] = forward_ops(forward(layers[m]))
+                ops = forward_ops(forward(layers[m]))
+                row["fwd_ops"], row["fwd_view_ops"] = ops.total, ops.views
             if memory:
                 row["fwd_peak_mb"] = peaks[(m, "fwd")] / 2**20
                 row["fwd_bwd_peak_mb"] = peaks[(m, "fwd_bwd")] / 2**20
@@ -753,8 +761,8 @@ def _print_tables(results: dict, console) -> None:
                 table.add_row(str(n), *[cell(by[(m, n)]) if key in by.get((m, n), {}) else "-" for m in methods])
             console.print(table)
 
-        per_length_table("Attention layer aten operator calls per forward (no grad)", "fwd_ops",
-                         lambda r: str(r["fwd_ops"]))
+        per_length_table("Attention layer aten operator calls per forward (no grad); in brackets, those that only "
+                         "make a view", "fwd_ops", _operator_calls_cell)
         per_length_table("Attention layer peak tensor memory, MiB: forward (no grad) / forward+backward",
                          "fwd_peak_mb", lambda r: f"{r['fwd_peak_mb']:.0f} / {r['fwd_bwd_peak_mb']:.0f}")
     models = results.get("models")
@@ -839,10 +847,11 @@ def markdown_tables(results: dict) -> str:
         methods, lengths = layers["config"]["methods"], layers["config"]["lengths"]
         by = {(r["method"], r["n"]): r for r in layers["results"]}
         if any("fwd_ops" in r for r in layers["results"]):
-            lines += ["**Attention layer, aten operator calls per forward (no grad)**", "",
+            lines += ["**Attention layer, aten operator calls per forward (no grad); in brackets, those that only "
+                      "make a view (no data moved)**", "",
                       "| N | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
             for n in lengths:
-                cells = [str(by[(m, n)]["fwd_ops"]) if "fwd_ops" in by.get((m, n), {}) else "-" for m in methods]
+                cells = [_operator_calls_cell(by[(m, n)]) if "fwd_ops" in by.get((m, n), {}) else "-" for m in methods]
                 lines.append(f"| {n} | " + " | ".join(cells) + " |")
             lines.append("")
         if any("fwd_bwd_peak_mb" in r for r in layers["results"]):

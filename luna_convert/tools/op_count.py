@@ -8,7 +8,10 @@ count too, and a custom autograd function's forward is counted op by op.
 
     with AtenOpCounter(skip=[attention.query, attention.key]) as ops:
         attention(hidden_states)
-    ops.total, ops.by_op.most_common(5)
+    ops.total, ops.views, ops.by_op.most_common(5)
+
+``views`` counts the calls that only make a view (view, transpose, split, expand: no data moved, no
+parallel region), so ``total - views`` are the calls that do work.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class AtenOpCounter(TorchDispatchMode):
     def __init__(self, skip: Iterable[nn.Module] = ()):
         super().__init__()
         self.by_op: Counter = Counter()
+        self.views = 0  # calls of view ops (their output aliases an input: no data moved)
         self._skip = list(skip)
         self._skipping = 0
         self._hooks: list = []
@@ -57,4 +61,5 @@ class AtenOpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self._skipping:
             self.by_op[str(func.overloadpacket)] += 1
+            self.views += func.is_view
         return func(*args, **(kwargs or {}))
