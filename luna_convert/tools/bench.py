@@ -190,6 +190,9 @@ def forward_ops(fn: Callable[[], object]) -> AtenOpCounter:
     return ops
 
 
+VIEWS_IN_BRACKETS = "in brackets, those that only make a view (no data moved)"
+
+
 def _operator_calls_cell(row: dict) -> str:
     """A layer's calls per forward for a table, "37 (17)": all of them, and in brackets the views among them
     (rows of bench.json written before views were counted show the total alone)."""
@@ -761,8 +764,8 @@ def _print_tables(results: dict, console) -> None:
                 table.add_row(str(n), *[cell(by[(m, n)]) if key in by.get((m, n), {}) else "-" for m in methods])
             console.print(table)
 
-        per_length_table("Attention layer aten operator calls per forward (no grad); in brackets, those that only "
-                         "make a view", "fwd_ops", _operator_calls_cell)
+        per_length_table(f"Attention layer aten operator calls per forward (no grad); {VIEWS_IN_BRACKETS}", "fwd_ops",
+                         _operator_calls_cell)
         per_length_table("Attention layer peak tensor memory, MiB: forward (no grad) / forward+backward",
                          "fwd_peak_mb", lambda r: f"{r['fwd_peak_mb']:.0f} / {r['fwd_bwd_peak_mb']:.0f}")
     models = results.get("models")
@@ -847,8 +850,7 @@ def markdown_tables(results: dict) -> str:
         methods, lengths = layers["config"]["methods"], layers["config"]["lengths"]
         by = {(r["method"], r["n"]): r for r in layers["results"]}
         if any("fwd_ops" in r for r in layers["results"]):
-            lines += ["**Attention layer, aten operator calls per forward (no grad); in brackets, those that only "
-                      "make a view (no data moved)**", "",
+            lines += [f"**Attention layer, aten operator calls per forward (no grad); {VIEWS_IN_BRACKETS}**", "",
                       "| N | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
             for n in lengths:
                 cells = [_operator_calls_cell(by[(m, n)]) if "fwd_ops" in by.get((m, n), {}) else "-" for m in methods]
