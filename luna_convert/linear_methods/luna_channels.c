@@ -107,13 +107,9 @@ static inline v8f relu8(v8f f) {
     return (v8f)((v8i)f & (f > zero));
 }
 
-/* The features of `rows` rows of u [rows, M] (rows * M <= BLOCK), then the norm while they are in cache. */
-static inline void forward_block(const float *x, int64_t rows, int32_t M, const int32_t L, const grid_t *g,
-                                 const float *slope, const float *intercept, float eps, float *out) {
-    int32_t idx[BLOCK];
-    float sums[MAX_CHANNELS];
-    const int64_t e = rows * M;
-    locate_block(g, x, e, idx);
+/* relu(slope[idx[i]] x[i] + intercept[idx[i]]) for the e scalars of x: out [e, L]. */
+static inline void channel_features(const float *x, int64_t e, const int32_t L, const int32_t *idx,
+                                    const float *slope, const float *intercept, float *out) {
     int64_t i = 0;
     /* L = 2: four scalars' eight features per vector op (each scalar's two table entries are adjacent) */
     if (WIDE && L == 2)
@@ -139,6 +135,24 @@ static inline void forward_block(const float *x, int64_t rows, int32_t M, const 
             o[l] = f > 0.0f ? f : 0.0f;
         }
     }
+}
+
+/* Pairs (two channels) of four rows of features [4, M, 2] as one vector: lane 2a + l of the m-th is row a's channel l
+   of projection m. */
+static inline v8f pairs_of_four_rows(const float *o, int64_t row, int32_t m) {
+    int64_t p0, p1, p2, p3;
+    memcpy(&p0, o + m * 2, 8); memcpy(&p1, o + row + m * 2, 8);
+    memcpy(&p2, o + 2 * row + m * 2, 8); memcpy(&p3, o + 3 * row + m * 2, 8);
+    return (v8f)(v4l){p0, p1, p2, p3};
+}
+
+/* The features of `rows` rows of u [rows, M] (rows * M <= BLOCK), then the norm while they are in cache. */
+static inline void forward_block(const float *x, int64_t rows, int32_t M, const int32_t L, const grid_t *g,
+                                 const float *slope, const float *intercept, float eps, float *out) {
+    int32_t idx[BLOCK];
+    float sums[MAX_CHANNELS];
+    locate_block(g, x, rows * M, idx);
+    channel_features(x, rows * M, L, idx, slope, intercept, out);
     if (eps < 0.0f) return;
     int64_t q = 0;
     /* L = 2: four rows at a time, lane (row, channel) summing its row's M features in order, as below */
@@ -147,12 +161,7 @@ static inline void forward_block(const float *x, int64_t rows, int32_t M, const 
             float *o = out + q * (int64_t)M * 2;
             const int64_t row = (int64_t)M * 2;
             v8f acc = {0};
-            for (int32_t m = 0; m < M; ++m) {
-                int64_t p0, p1, p2, p3;
-                memcpy(&p0, o + m * 2, 8); memcpy(&p1, o + row + m * 2, 8);
-                memcpy(&p2, o + 2 * row + m * 2, 8); memcpy(&p3, o + 3 * row + m * 2, 8);
-                acc += (v8f)(v4l){p0, p1, p2, p3};
-            }
+            for (int32_t m = 0; m < M; ++m) acc += pairs_of_four_rows(o, row, m);
             const v8f one = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
             const v8f r = one / (acc + eps);
             for (int a = 0; a < 4; ++a) {
@@ -246,56 +255,76 @@ static inline void projected_forward_rows(const projection_t *p, int64_t r0, int
     }
 }
 
-/* Row by row: recompute f = relu(a), a = slope u + intercept; with the norm, y = f r, r = 1 / (sum f + eps)
+/* Per block of rows: recompute f = relu(a), a = slope u + intercept; with the norm, y = f r, r = 1 / (sum f + eps)
    and df = r (g - sum_m g y); then da = df where f > 0, grad_x = sum_l da slope, and the per-interval sums
    of da u (slope) and da (intercept) in double. */
-static inline void backward_rows(const float *x, int64_t rows, int32_t M, const int32_t L, const grid_t *g,
-                                 const float *slope, const float *intercept, float eps, const float *grad_out,
-                                 float *grad_x, double *grad_slope, double *grad_intercept) {
-    int32_t located[BLOCK];
-    const int64_t per = BLOCK / M; /* rows whose intervals are searched at once; M <= BLOCK is checked */
-    float f[MAX_ROW]; /* one row's features */
-    float r_[MAX_CHANNELS], dot[MAX_CHANNELS];
-    for (int64_t q = 0; q < rows; ++q) {
-        /* the next rows' intervals in one vectorised search, as the forward does (one scalar at a time, the
-           search took 10 of this function's 26 ms at LUNA's defaults: 49,152 rows of 64) */
-        if (q % per == 0) locate_block(g, x + q * M, (q + per < rows ? per : rows - q) * M, located);
-        const int32_t *idx = located + (q % per) * M;
-        const float *xr = x + q * M, *gr = grad_out + q * (int64_t)M * L;
-        for (int32_t m = 0; m < M; ++m) {
-            const float *sl = slope + (int64_t)idx[m] * L, *ic = intercept + (int64_t)idx[m] * L;
-            int32_t l = 0;
-            for (; WIDE && l + 8 <= L; l += 8) store8(f + m * L + l, relu8(load8(sl + l) * xr[m] + load8(ic + l)));
-            for (; l < L; ++l) {
-                float a = sl[l] * xr[m] + ic[l];
-                f[m * L + l] = a > 0.0f ? a : 0.0f;
+static inline void backward_block(const float *x, int64_t rows, int32_t M, const int32_t L, const grid_t *g,
+                                  const float *slope, const float *intercept, float eps, const float *grad_out,
+                                  float *grad_x, double *grad_slope, double *grad_intercept) {
+    int32_t idx[BLOCK];
+    float f[MAX_ROW];                       /* the block's features, rows * M * L <= MAX_ROW */
+    float r_[BLOCK], dot[BLOCK];            /* per row and channel, rows * L <= BLOCK */
+    const int64_t row = (int64_t)M * L;
+    locate_block(g, x, rows * M, idx);
+    channel_features(x, rows * M, L, idx, slope, intercept, f);
+    int64_t q = 0;
+    if (eps < 0.0f) {
+        for (int64_t l = 0; l < rows * L; ++l) { r_[l] = 1.0f; dot[l] = 0.0f; } /* no norm: df = g */
+    } else {
+        /* r as the forward computes it: each channel's sum over m in order */
+        if (WIDE && L == 2)
+            for (; q + 4 <= rows; q += 4) {
+                const float *fq = f + q * row;
+                v8f acc = {0};
+                for (int32_t m = 0; m < M; ++m) acc += pairs_of_four_rows(fq, row, m);
+                const v8f one = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+                store8(r_ + q * 2, one / (acc + eps));
+            }
+        for (; q < rows; ++q) {
+            const float *fq = f + q * row;
+            float *rq = r_ + q * L;
+            for (int32_t l = 0; l < L; ++l) rq[l] = 0.0f;
+            for (int32_t m = 0; m < M; ++m)
+                for (int32_t l = 0; l < L; ++l) rq[l] += fq[m * L + l];
+            for (int32_t l = 0; l < L; ++l) rq[l] = 1.0f / (rq[l] + eps);
+        }
+        /* dot = sum_m g y. L = 2, M a multiple of 4: in four partial sums (m mod 4), then (0 + 1) + (2 + 3), eight
+           lanes over a row's features at once (in order over m, a chain of M dependent adds per row) */
+        for (q = 0; q < rows; ++q) {
+            const float *fq = f + q * row, *gq = grad_out + q * row, *rq = r_ + q * L;
+            float *dq = dot + q * L;
+            if (L == 2 && M % 4 == 0) {
+                const v8f r = {rq[0], rq[1], rq[0], rq[1], rq[0], rq[1], rq[0], rq[1]};
+                v8f d = {0};
+                for (int64_t j = 0; j < row; j += 8) d += load8(gq + j) * (load8(fq + j) * r);
+                dq[0] = (d[0] + d[2]) + (d[4] + d[6]);
+                dq[1] = (d[1] + d[3]) + (d[5] + d[7]);
+            } else {
+                for (int32_t l = 0; l < L; ++l) dq[l] = 0.0f;
+                for (int32_t m = 0; m < M; ++m)
+                    for (int32_t l = 0; l < L; ++l) dq[l] += gq[m * L + l] * (fq[m * L + l] * rq[l]);
             }
         }
-        for (int32_t l = 0; l < L; ++l) { r_[l] = 1.0f; dot[l] = 0.0f; } /* no norm: df = g */
-        if (eps >= 0.0f) {
-            for (int32_t l = 0; l < L; ++l) r_[l] = 0.0f;
-            for (int32_t m = 0; m < M; ++m)
-                for (int32_t l = 0; l < L; ++l) r_[l] += f[m * L + l];
-            for (int32_t l = 0; l < L; ++l) r_[l] = 1.0f / (r_[l] + eps);
-            for (int32_t m = 0; m < M; ++m)
-                for (int32_t l = 0; l < L; ++l) dot[l] += gr[m * L + l] * (f[m * L + l] * r_[l]);
-        }
+    }
+    for (q = 0; q < rows; ++q) {
+        const float *xr = x + q * M, *gr = grad_out + q * row, *fr = f + q * row, *rq = r_ + q * L, *dq = dot + q * L;
+        const int32_t *iq = idx + q * M;
         int32_t m = 0;
         /* L = 2: four scalars' two channels per vector op (the forward's pairs), each lane's ops as below */
         if (WIDE && L == 2)
             for (; m + 4 <= M; m += 4) {
-                const v8f zero = {0}, dot2 = {dot[0], dot[1], dot[0], dot[1], dot[0], dot[1], dot[0], dot[1]},
-                          r2 = {r_[0], r_[1], r_[0], r_[1], r_[0], r_[1], r_[0], r_[1]};
+                const v8f zero = {0}, dot2 = {dq[0], dq[1], dq[0], dq[1], dq[0], dq[1], dq[0], dq[1]},
+                          r2 = {rq[0], rq[1], rq[0], rq[1], rq[0], rq[1], rq[0], rq[1]};
                 v8f d = (load8(gr + m * 2) - dot2) * r2;
-                d = (v8f)((v8i)d & (load8(f + m * 2) > zero));
+                d = (v8f)((v8i)d & (load8(fr + m * 2) > zero));
                 int64_t s0, s1, s2, s3;
-                memcpy(&s0, slope + (int64_t)idx[m] * 2, 8); memcpy(&s1, slope + (int64_t)idx[m + 1] * 2, 8);
-                memcpy(&s2, slope + (int64_t)idx[m + 2] * 2, 8); memcpy(&s3, slope + (int64_t)idx[m + 3] * 2, 8);
+                memcpy(&s0, slope + (int64_t)iq[m] * 2, 8); memcpy(&s1, slope + (int64_t)iq[m + 1] * 2, 8);
+                memcpy(&s2, slope + (int64_t)iq[m + 2] * 2, 8); memcpy(&s3, slope + (int64_t)iq[m + 3] * 2, 8);
                 const v8f part = d * (v8f)(v4l){s0, s1, s2, s3};
                 for (int a = 0; a < 4; ++a) {
                     const float gu = (0.0f + part[2 * a]) + part[2 * a + 1];
                     const double u = xr[m + a], d0 = d[2 * a], d1 = d[2 * a + 1];
-                    double *gs = grad_slope + (int64_t)idx[m + a] * 2, *gi = grad_intercept + (int64_t)idx[m + a] * 2;
+                    double *gs = grad_slope + (int64_t)iq[m + a] * 2, *gi = grad_intercept + (int64_t)iq[m + a] * 2;
                     gs[0] += d0 * u; gs[1] += d1 * u;
                     gi[0] += d0; gi[1] += d1;
                     grad_x[q * M + m + a] = gu;
@@ -303,14 +332,14 @@ static inline void backward_rows(const float *x, int64_t rows, int32_t M, const 
             }
         for (; m < M; ++m) {
             const float u = xr[m];
-            const int64_t i = (int64_t)idx[m] * L;
+            const int64_t i = (int64_t)iq[m] * L;
             float gu = 0.0f;
             int32_t l = 0;
             /* eight channels per vector op, each lane's float and double operations as below */
             for (; WIDE && l + 8 <= L; l += 8) {
                 const v8f zero = {0};
-                v8f d = (load8(gr + m * L + l) - load8(dot + l)) * load8(r_ + l);
-                d = (v8f)((v8i)d & (load8(f + m * L + l) > zero));
+                v8f d = (load8(gr + m * L + l) - load8(dq + l)) * load8(rq + l);
+                d = (v8f)((v8i)d & (load8(fr + m * L + l) > zero));
                 const v8f part = d * load8(slope + i + l);
                 for (int a = 0; a < 8; ++a) gu += part[a]; /* in channel order */
                 const v4d u4 = {u, u, u, u};
@@ -322,14 +351,28 @@ static inline void backward_rows(const float *x, int64_t rows, int32_t M, const 
                 store4d(grad_intercept + i + l + 4, load4d(grad_intercept + i + l + 4) + d_hi);
             }
             for (; l < L; ++l) {
-                float d = (gr[m * L + l] - dot[l]) * r_[l];
-                if (!(f[m * L + l] > 0.0f)) d = 0.0f;
+                float d = (gr[m * L + l] - dq[l]) * rq[l];
+                if (!(fr[m * L + l] > 0.0f)) d = 0.0f;
                 gu += d * slope[i + l];
                 grad_slope[i + l] += (double)d * (double)u;
                 grad_intercept[i + l] += (double)d;
             }
             grad_x[q * M + m] = gu;
         }
+    }
+}
+
+static inline void backward_rows(const float *x, int64_t rows, int32_t M, const int32_t L, const grid_t *g,
+                                 const float *slope, const float *intercept, float eps, const float *grad_out,
+                                 float *grad_x, double *grad_slope, double *grad_intercept) {
+    /* rows per block: their scalars fit the search (BLOCK), their features f, their r and dot */
+    int64_t per = BLOCK / M;
+    if (per > MAX_ROW / ((int64_t)M * L)) per = MAX_ROW / ((int64_t)M * L);
+    if (per > BLOCK / L) per = BLOCK / L;
+    for (int64_t r = 0; r < rows; r += per) {
+        const int64_t n = r + per < rows ? per : rows - r;
+        backward_block(x + r * M, n, M, L, g, slope, intercept, eps, grad_out + r * (int64_t)M * L, grad_x + r * M,
+                       grad_slope, grad_intercept);
     }
 }
 
