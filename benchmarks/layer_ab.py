@@ -10,6 +10,7 @@ run-to-run spread.
 
     python benchmarks/layer_ab.py --base d8d930e --methods performer,flexformer --batch 1 --tokens 4096
     python benchmarks/layer_ab.py --base 989503b --methods luna --grid 64x64 --prefix 1   # a ViT's layer: DWC on the grid
+    python benchmarks/layer_ab.py --base 4bd2f61 --methods luna --part maps   # the feature maps alone
 """
 
 from __future__ import annotations
@@ -46,15 +47,29 @@ def fastest_ms(fn, calls: int) -> float:
     return 1000 * best
 
 
-def layer_calls(layer, batch: int, tokens: int, **patch_layout):
+def layer_calls(layer, batch: int, tokens: int, maps_only: bool = False, **patch_layout):
     """(forward without gradients, forward + backward) of ``layer`` on random [batch, 12, tokens, 64] q, k, v,
-    heads split as a model splits them; ``patch_layout``: grid and num_prefix for an image layer."""
+    heads split as a model splits them; ``patch_layout``: grid and num_prefix for an image layer. ``maps_only``:
+    of its feature maps alone (``LinearAttention.features`` of q and k), random gradients for both."""
     import torch
 
     shape = (batch, tokens, 12, 64)
     q, k, v = (torch.randn(shape).transpose(1, 2) for _ in range(3))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     grad = torch.randn(batch, 12, tokens, 64)
+    if maps_only:
+        feature_grads = [torch.randn(batch, 12, tokens, layer.feature_dim) for _ in range(2)]
+
+        def maps_forward():
+            with torch.no_grad():
+                layer.features(q, k)
+
+        def maps_train_step():
+            torch.autograd.backward(layer.features(qg, kg), feature_grads)
+            qg.grad = kg.grad = None
+            layer.zero_grad(set_to_none=True)
+
+        return maps_forward, maps_train_step
 
     def forward():
         with torch.no_grad():
@@ -78,6 +93,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--grid", help="GHxGW: an image layer (spatial DWC) over this patch grid; sets --tokens")
     parser.add_argument("--prefix", type=int, default=0, help="prefix tokens before the grid (with --grid)")
+    parser.add_argument("--part", choices=("layer", "maps"), default="layer",
+                        help="time the whole layer, or its feature maps alone (feature-map methods)")
     args = parser.parse_args()
     patch_layout = {}
     if args.grid:
@@ -99,14 +116,15 @@ def main() -> None:
                 torch.manual_seed(0)
                 base, options = bench.layer_variant(method)
                 layer = bench.LinearAttention(base, 64, 12, 64**-0.5, spatial=bool(patch_layout), **options)
-                runs[name] = layer_calls(layer, args.batch, args.tokens, **patch_layout)
+                runs[name] = layer_calls(layer, args.batch, args.tokens, args.part == "maps", **patch_layout)
             best = {name: [float("inf"), float("inf")] for name in runs}
             for _ in range(args.rounds):
                 for name, (forward, train_step) in runs.items():
                     best[name][0] = min(best[name][0], fastest_ms(forward, 3))
                     best[name][1] = min(best[name][1], fastest_ms(train_step, 2))
             (old_f, old_fb), (new_f, new_fb) = best["old"], best["new"]
-            print(f"{method} B={args.batch} N={args.tokens}: old {old_f:.1f} / {old_fb:.1f} ms, "
+            part = " (feature maps)" if args.part == "maps" else ""
+            print(f"{method}{part} B={args.batch} N={args.tokens}: old {old_f:.1f} / {old_fb:.1f} ms, "
                   f"new {new_f:.1f} / {new_fb:.1f} ms, new/old forward {new_f / old_f:.2f}, "
                   f"forward + backward {new_fb / old_fb:.2f}", flush=True)
 
