@@ -107,9 +107,12 @@ static inline v8f relu8(v8f f) {
     return (v8f)((v8i)f & (f > zero));
 }
 
-/* relu(slope[idx[i]] x[i] + intercept[idx[i]]) for the e scalars of x: out [e, L]. */
+/* relu(slope[idx[i]] x[i] + intercept[idx[i]]) for the e scalars of x: out [e, L]. `lanes8`: eight channels per
+   vector op where L >= 8 (the same float operations as the scalar loop). In the portable build that loop is faster
+   writing the forward's output, and 1.4x slower filling the backward's buffer (M = L = 8), so the backward
+   passes WIDE. */
 static inline void channel_features(const float *x, int64_t e, const int32_t L, const int32_t *idx,
-                                    const float *slope, const float *intercept, float *out) {
+                                    const float *slope, const float *intercept, int lanes8, float *out) {
     int64_t i = 0;
     /* L = 2: four scalars' eight features per vector op (each scalar's two table entries are adjacent) */
     if (WIDE && L == 2)
@@ -128,7 +131,7 @@ static inline void channel_features(const float *x, int64_t e, const int32_t L, 
         const float *sl = slope + (int64_t)idx[i] * L, *ic = intercept + (int64_t)idx[i] * L;
         float *o = out + i * L;
         int32_t l = 0;
-        for (; l + 8 <= L; l += 8) /* the same float operations, eight channels at a time */
+        for (; lanes8 && l + 8 <= L; l += 8)
             store8(o + l, relu8(load8(sl + l) * u + load8(ic + l)));
         for (; l < L; ++l) {
             float f = sl[l] * u + ic[l];
@@ -146,13 +149,29 @@ static inline v8f pairs_of_four_rows(const float *o, int64_t row, int32_t m) {
     return (v8f)(v4l){p0, p1, p2, p3};
 }
 
+/* The feature norm's 1 / (sum_m f[m, l] + eps), each channel's sum over m in order: of four rows of features
+   [4, M, 2] at once (lane 2a + l: row a, channel l), and of one row [M, L] into r [L]. */
+static inline v8f reciprocal_sums_of_four_rows(const float *f, int64_t row, int32_t M, float eps) {
+    v8f acc = {0};
+    for (int32_t m = 0; m < M; ++m) acc += pairs_of_four_rows(f, row, m);
+    const v8f one = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+    return one / (acc + eps);
+}
+
+static inline void reciprocal_sums_of_row(const float *f, int32_t M, const int32_t L, float eps, float *r) {
+    for (int32_t l = 0; l < L; ++l) r[l] = 0.0f;
+    for (int32_t m = 0; m < M; ++m)
+        for (int32_t l = 0; l < L; ++l) r[l] += f[m * L + l];
+    for (int32_t l = 0; l < L; ++l) r[l] = 1.0f / (r[l] + eps);
+}
+
 /* The features of `rows` rows of u [rows, M] (rows * M <= BLOCK), then the norm while they are in cache. */
 static inline void forward_block(const float *x, int64_t rows, int32_t M, const int32_t L, const grid_t *g,
                                  const float *slope, const float *intercept, float eps, float *out) {
     int32_t idx[BLOCK];
     float sums[MAX_CHANNELS];
     locate_block(g, x, rows * M, idx);
-    channel_features(x, rows * M, L, idx, slope, intercept, out);
+    channel_features(x, rows * M, L, idx, slope, intercept, 1, out);
     if (eps < 0.0f) return;
     int64_t q = 0;
     /* L = 2: four rows at a time, lane (row, channel) summing its row's M features in order, as below */
@@ -160,10 +179,7 @@ static inline void forward_block(const float *x, int64_t rows, int32_t M, const 
         for (; q + 4 <= rows; q += 4) {
             float *o = out + q * (int64_t)M * 2;
             const int64_t row = (int64_t)M * 2;
-            v8f acc = {0};
-            for (int32_t m = 0; m < M; ++m) acc += pairs_of_four_rows(o, row, m);
-            const v8f one = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
-            const v8f r = one / (acc + eps);
+            const v8f r = reciprocal_sums_of_four_rows(o, row, M, eps);
             for (int a = 0; a < 4; ++a) {
                 const v8f scale = {r[2 * a], r[2 * a + 1], r[2 * a], r[2 * a + 1], r[2 * a], r[2 * a + 1],
                                    r[2 * a], r[2 * a + 1]};
@@ -177,10 +193,7 @@ static inline void forward_block(const float *x, int64_t rows, int32_t M, const 
         }
     for (; q < rows; ++q) {
         float *o = out + q * (int64_t)M * L;
-        for (int32_t l = 0; l < L; ++l) sums[l] = 0.0f;
-        for (int32_t m = 0; m < M; ++m)
-            for (int32_t l = 0; l < L; ++l) sums[l] += o[m * L + l];
-        for (int32_t l = 0; l < L; ++l) sums[l] = 1.0f / (sums[l] + eps);
+        reciprocal_sums_of_row(o, M, L, eps, sums);
         for (int32_t m = 0; m < M; ++m)
             for (int32_t l = 0; l < L; ++l) o[m * L + l] *= sums[l];
     }
@@ -266,28 +279,15 @@ static inline void backward_block(const float *x, int64_t rows, int32_t M, const
     float r_[BLOCK], dot[BLOCK];            /* per row and channel, rows * L <= BLOCK */
     const int64_t row = (int64_t)M * L;
     locate_block(g, x, rows * M, idx);
-    channel_features(x, rows * M, L, idx, slope, intercept, f);
+    channel_features(x, rows * M, L, idx, slope, intercept, WIDE, f);
     int64_t q = 0;
     if (eps < 0.0f) {
         for (int64_t l = 0; l < rows * L; ++l) { r_[l] = 1.0f; dot[l] = 0.0f; } /* no norm: df = g */
     } else {
-        /* r as the forward computes it: each channel's sum over m in order */
+        /* r as the forward computes it */
         if (WIDE && L == 2)
-            for (; q + 4 <= rows; q += 4) {
-                const float *fq = f + q * row;
-                v8f acc = {0};
-                for (int32_t m = 0; m < M; ++m) acc += pairs_of_four_rows(fq, row, m);
-                const v8f one = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
-                store8(r_ + q * 2, one / (acc + eps));
-            }
-        for (; q < rows; ++q) {
-            const float *fq = f + q * row;
-            float *rq = r_ + q * L;
-            for (int32_t l = 0; l < L; ++l) rq[l] = 0.0f;
-            for (int32_t m = 0; m < M; ++m)
-                for (int32_t l = 0; l < L; ++l) rq[l] += fq[m * L + l];
-            for (int32_t l = 0; l < L; ++l) rq[l] = 1.0f / (rq[l] + eps);
-        }
+            for (; q + 4 <= rows; q += 4) store8(r_ + q * 2, reciprocal_sums_of_four_rows(f + q * row, row, M, eps));
+        for (; q < rows; ++q) reciprocal_sums_of_row(f + q * row, M, L, eps, r_ + q * L);
         /* dot = sum_m g y. L = 2, M a multiple of 4: in four partial sums (m mod 4), then (0 + 1) + (2 + 3), eight
            lanes over a row's features at once (in order over m, a chain of M dependent adds per row) */
         for (q = 0; q < rows; ++q) {
