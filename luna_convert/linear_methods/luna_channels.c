@@ -276,22 +276,23 @@ static inline void backward_block(const float *x, int64_t rows, int32_t M, const
                                   float *grad_x, double *grad_slope, double *grad_intercept) {
     int32_t idx[BLOCK];
     float f[MAX_ROW];                       /* the block's features, rows * M * L <= MAX_ROW */
-    float r_[BLOCK], dot[BLOCK];            /* per row and channel, rows * L <= BLOCK */
+    float recip[BLOCK], dot[BLOCK];         /* r and dot per row and channel, rows * L <= BLOCK */
     const int64_t row = (int64_t)M * L;
     locate_block(g, x, rows * M, idx);
     channel_features(x, rows * M, L, idx, slope, intercept, WIDE, f);
     int64_t q = 0;
     if (eps < 0.0f) {
-        for (int64_t l = 0; l < rows * L; ++l) { r_[l] = 1.0f; dot[l] = 0.0f; } /* no norm: df = g */
+        for (int64_t l = 0; l < rows * L; ++l) { recip[l] = 1.0f; dot[l] = 0.0f; } /* no norm: df = g */
     } else {
         /* r as the forward computes it */
         if (WIDE && L == 2)
-            for (; q + 4 <= rows; q += 4) store8(r_ + q * 2, reciprocal_sums_of_four_rows(f + q * row, row, M, eps));
-        for (; q < rows; ++q) reciprocal_sums_of_row(f + q * row, M, L, eps, r_ + q * L);
-        /* dot = sum_m g y. L = 2, M a multiple of 4: in four partial sums (m mod 4), then (0 + 1) + (2 + 3), eight
-           lanes over a row's features at once (in order over m, a chain of M dependent adds per row) */
+            for (; q + 4 <= rows; q += 4) store8(recip + q * 2, reciprocal_sums_of_four_rows(f + q * row, row, M, eps));
+        for (; q < rows; ++q) reciprocal_sums_of_row(f + q * row, M, L, eps, recip + q * L);
+        /* dot = sum_m g y. L = 2, M a multiple of 4: four partial sums (m mod 4), then (0 + 1) + (2 + 3), eight lanes
+           over a row's features at once, in every build (summed in order over m, each row was a chain of M
+           dependent adds) */
         for (q = 0; q < rows; ++q) {
-            const float *fq = f + q * row, *gq = grad_out + q * row, *rq = r_ + q * L;
+            const float *fq = f + q * row, *gq = grad_out + q * row, *rq = recip + q * L;
             float *dq = dot + q * L;
             if (L == 2 && M % 4 == 0) {
                 const v8f r = {rq[0], rq[1], rq[0], rq[1], rq[0], rq[1], rq[0], rq[1]};
@@ -307,7 +308,7 @@ static inline void backward_block(const float *x, int64_t rows, int32_t M, const
         }
     }
     for (q = 0; q < rows; ++q) {
-        const float *xr = x + q * M, *gr = grad_out + q * row, *fr = f + q * row, *rq = r_ + q * L, *dq = dot + q * L;
+        const float *xr = x + q * M, *gr = grad_out + q * row, *fr = f + q * row, *rq = recip + q * L, *dq = dot + q * L;
         const int32_t *iq = idx + q * M;
         int32_t m = 0;
         /* L = 2: four scalars' two channels per vector op (the forward's pairs), each lane's ops as below */
