@@ -3,8 +3,9 @@
 
 Timed apart, on the same [B, H, N, d] inputs: the whole layer; its feature maps (queries and keys); the
 linear-attention core before its division (``ops.linear.linear_attention_unnormalised``); the DWC branch
-with the division (where the method has one); then the core's second product phi_q [S | z] with its 65
-columns against phi_q S with 64, and three ways of computing the denominator phi_q z apart.
+with the division (where the method has one); then the core's two products, torch.bmm against
+``ops.products`` (the native code where it applies: *Session 21*), the second one phi_q [S | z] with its
+65 columns against phi_q S with 64, and three ways of computing the denominator phi_q z apart.
 
     python benchmarks/layer_parts.py --method "luna:projections=8:channels=8:per_head_projections=false:projection_init=random:channel_init=random:feature_norm=none:separate_key_map=false"
     python benchmarks/layer_parts.py --method luna --threads 2 --keep-heap
@@ -36,6 +37,7 @@ def main() -> None:
 
     import torch
 
+    from luna_convert.ops import products
     from luna_convert.ops.linear import linear_attention_unnormalised
     from luna_convert.ops.reference import EPS
     from luna_convert.tools.bench import LinearAttention, layer_variant
@@ -61,8 +63,14 @@ def main() -> None:
             show("DWC with the division", lambda: layer.dwc(v, None, plus=sums, divide=(EPS, False)))
         rows, width = args.batch * args.heads, phi_q.shape[-1]
         phi = phi_q.reshape(rows, args.tokens, width)
+        phi_keys, values = phi_k.reshape(rows, args.tokens, width), v.reshape(rows, args.tokens, args.head_dim)
+        print("ops.products:", products.native_status())
+        show(f"[S | z]: bmm(phi_k^T, v), phi_k's sum, cat", lambda: torch.cat(
+            [torch.bmm(phi_keys.transpose(1, 2), values), phi_keys.sum(1).unsqueeze_(-1)], -1))
+        show("[S | z]: ops.products", lambda: products.transposed_product(phi_keys, values, with_sum=True))
         sz = torch.randn(rows, width, args.head_dim + 1)
         s, z = sz[..., :-1].contiguous(), sz[..., -1].contiguous()
+        show(f"phi_q [S | z]: ops.products", lambda: products.product(phi, sz))
         show(f"phi_q [S | z], D = {width}, 65 columns", lambda: torch.bmm(phi, sz))
         show("phi_q S, 64 columns", lambda: torch.bmm(phi, s))
         show("phi_q z apart: bmm(phi_q, z)", lambda: torch.bmm(phi, z[:, :, None]))

@@ -44,6 +44,7 @@ def test_wheel_contains_every_recipe(wheel):
             "luna_convert/builtin_teachers/digits-vit/linear_attention.json"} <= set(names)
     assert "luna_convert/linear_methods/luna_channels.c" in names  # LUNA's native kernel, compiled on first use
     assert "luna_convert/linear_methods/sorting_sums.c" in names  # the sorting kernel's native pass
+    assert "luna_convert/ops/token_products.c" in names  # the linear-attention core's native products
 
 
 def test_installed_wheel_finds_recipes_and_teacher_from_another_folder(wheel, tmp_path):

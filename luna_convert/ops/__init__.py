@@ -5,6 +5,7 @@
                references and the distillation student), masked softmax attention (the teacher), the
                distillation loss
     linear     kernel linear attention phi(q) S / (phi(q) z + eps) with a hand-written backward
+    products   its batched products over tokens: native (token_products.c) where it applies, else torch.bmm
     streamed   the same, streamed over chunks of tokens for long CPU inputs
     windowed   sliding-window softmax + linear attention in one layer (the ``window`` option), block-banded
     dwc        depthwise convolution over tokens in the [..., tokens, C] layout

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import products
 from .dtypes import accumulation_dtype
 from .reference import EPS
 
@@ -18,18 +19,16 @@ def _sums_and_products(phi_q, phi_k, v, keep):
     """(the batch shape, phi_q, phi_k, the values, [S | z], [phi_q S | phi_q z]), the tensors 3-D over one batch
     axis (B * H): the products of ``_LinearAttentionCore`` below, whose docstring says why they are these.
     The values are v as given without a key mask, else [m v | m]."""
-    # torch.bmm takes transposed and strided operands as they are: 4-D torch.matmul would expand, copy and
-    # reshape around every product.
+    # Batched 3-D products (``ops.products``: native, or torch.bmm) take strided operands as they are: 4-D
+    # torch.matmul would expand, copy and reshape around every product.
     lead = torch.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
     if keep is not None:
         v = torch.nn.functional.pad(v, (0, 1), value=1.0).mul_(keep)  # [m v | m]: a fresh contiguous tensor
     phi_q, phi_k, v = (t.reshape(-1, *t.shape[-2:]) if t.shape[:-2] == lead else
                        t.expand(*lead, *t.shape[-2:]).reshape(-1, *t.shape[-2:]) for t in (phi_q, phi_k, v))
-    if keep is None:  # z as a sum: a 65th column of ones would cost a copy of v and a slower product
-        kvz = torch.cat([torch.bmm(phi_k.transpose(1, 2), v), phi_k.sum(1).unsqueeze_(-1)], -1)
-    else:
-        kvz = torch.bmm(phi_k.transpose(1, 2), v)  # [S | z]   [BH, D, d + 1]
-    return lead, phi_q, phi_k, v, kvz, torch.bmm(phi_q, kvz)  # the last [BH, N, d + 1]
+    # [S | z]   [BH, D, d + 1]; without a mask z as a sum: a 65th column of ones would cost a copy of v
+    kvz = products.transposed_product(phi_k, v, with_sum=keep is None)
+    return lead, phi_q, phi_k, v, kvz, products.product(phi_q, kvz)  # the last [BH, N, d + 1]
 
 
 def _keys_kept(key_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -83,26 +82,26 @@ class _LinearAttentionCore(torch.autograd.Function):
         lead, d = ctx.lead, kvz.shape[-1] - 1
         kv_t, z = kvz.transpose(1, 2).split([d, 1], 1)  # S^T [BH, d, D], z^T [BH, 1, D]
         grad_num = grad_out.reshape(r.shape[0], *grad_out.shape[-2:]) * r  # d loss / d (phi_q S)   [BH, N, d]
-        grad_q = torch.bmm(grad_num, kv_t)  # its part of phi_q's gradient   [BH, N, D]
+        grad_q = products.product(grad_num, kv_t)  # its part of phi_q's gradient   [BH, N, D]
         # d loss / d (phi_q z) = -(grad_out . out) r, and grad_out . out = (grad_num S^T) . phi_q
         grad_den = torch.linalg.vecdot(grad_q, phi_q).unsqueeze_(-1).mul_(r).neg_()  # [BH, N, 1]
         if unclamped is not None:
             grad_den.mul_(unclamped)
         grad_q.addcmul_(grad_den, z)
-        grad_kvz = torch.bmm(phi_q.transpose(1, 2), torch.cat([grad_num, grad_den], -1))  # [BH, D, d + 1]
+        grad_kvz = products.transposed_product(phi_q, torch.cat([grad_num, grad_den], -1))  # [BH, D, d + 1]
         grad_k = grad_v = None
         masked = values.shape[-1] > d  # [m v | m]; else v, and z was phi_k's sum
         if ctx.needs_input_grad[1]:
             if masked:
-                grad_k = torch.bmm(values, grad_kvz.transpose(1, 2))
+                grad_k = products.product(values, grad_kvz.transpose(1, 2))
             else:  # v grad_S^T + 1 grad_z^T
                 grad_kvz_t = grad_kvz.transpose(1, 2)
-                grad_k = torch.baddbmm(grad_kvz_t[:, d:], values, grad_kvz_t[:, :d])
+                grad_k = products.product(values, grad_kvz_t[:, :d], bias=grad_kvz_t[:, d:])
             grad_k = grad_k.view(*lead, *phi_k.shape[1:])
         if ctx.needs_input_grad[2]:
             # with a mask v entered as m v (m: the ones column, masked); a broadcast v sums over what it was
             # expanded to
-            grad_v = torch.bmm(phi_k, grad_kvz[..., :d])
+            grad_v = products.product(phi_k, grad_kvz[..., :d])
             if masked:
                 grad_v.mul_(values[..., d:])
             grad_v = grad_v.view(*lead, *phi_k.shape[1:-1], d)

@@ -1,0 +1,242 @@
+/* The linear-attention core's two matrix products on the CPU in float32 (the native path of
+ * ops.products; the reference is torch.bmm): per batch entry b of [b0, b1),
+ *
+ *     transposed_product:   c[b] = x[b]^T y[b]         x [n, D], y [n, e] -> c [D, e (+ 1)]
+ *                           (with `with_sum`, c's column e holds x[b]'s sum over the n tokens: z)
+ *     product:              c[b] = x[b] w[b] (+ bias[b])  x [n, D], w [D, e], bias [e] or NULL -> c [n, e]
+ *
+ * Why not BLAS: these shapes (a 4,096-long sum into a 64 x 64 block; 4,096 rows times a 64 x 65 block) run
+ * at about half of this machine's square-product rate in MKL (docs/performance-log.md, *Session 19*). Here
+ * each tile of the result stays in registers while the long axis streams through, with no packing copies.
+ *
+ * Plain C99 with x86 intrinsics, no PyTorch headers, compiled by ops/native.py with -march=native. It has
+ * code for AVX-512 (16 lanes) and for AVX2 with FMA (8 lanes); elsewhere `product_lanes` returns 0 and
+ * ops.products keeps torch.bmm. The fused multiply-adds are written out (the build's -ffp-contract=off
+ * forbids the compiler to choose them), so the sums round as a fused sum does, not as BLAS's order does:
+ * the values agree with torch.bmm to float32 rounding, not to the bit.
+ *
+ * Rows have a stride (in floats) and unit column stride; batch entries have their own stride. Columns
+ * beyond the last full vector of LANES, and the sum column, go through a dot product per column.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LANES 16
+#define TILE_ROWS 6
+#define TILE_VECS 4
+typedef __m512 vec;
+#define vzero() _mm512_setzero_ps()
+#define vload(p) _mm512_loadu_ps(p)
+#define vstore(p, a) _mm512_storeu_ps((p), (a))
+#define vbroadcast(s) _mm512_set1_ps(s)
+#define vfma(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define vadd(a, b) _mm512_add_ps((a), (b))
+static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LANES 8
+#define TILE_ROWS 4
+#define TILE_VECS 3
+typedef __m256 vec;
+#define vzero() _mm256_setzero_ps()
+#define vload(p) _mm256_loadu_ps(p)
+#define vstore(p, a) _mm256_storeu_ps((p), (a))
+#define vbroadcast(s) _mm256_set1_ps(s)
+#define vfma(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define vadd(a, b) _mm256_add_ps((a), (b))
+static inline float vsum(vec a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+#else
+#define LANES 0
+#endif
+
+/* Lanes of the vector code built here; 0: none, the caller keeps torch.bmm. */
+int product_lanes(void) { return LANES; }
+
+#if LANES
+
+/* Tokens per block of the transposed product: a block of x and y (64 KB each at 64 columns) stays in L2
+ * while every tile of c passes over it. */
+#define TOKEN_BLOCK 256
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* c[rows, vecs LANES] += x[n, rows]^T y[n, vecs LANES] over the n tokens, c's tile in registers. */
+ALWAYS_INLINE void sum_tile(const float *x, int64_t ldx, const float *y, int64_t ldy, float *c, int64_t ldc,
+                            int64_t n, const int rows, const int vecs) {
+    vec acc[TILE_ROWS][TILE_VECS];
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < vecs; ++v) acc[r][v] = vload(c + r * ldc + v * LANES);
+    for (int64_t t = 0; t < n; ++t) {
+        vec yv[TILE_VECS];
+        for (int v = 0; v < vecs; ++v) yv[v] = vload(y + t * ldy + v * LANES);
+        for (int r = 0; r < rows; ++r) {
+            const vec xb = vbroadcast(x[t * ldx + r]);
+            for (int v = 0; v < vecs; ++v) acc[r][v] = vfma(xb, yv[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < vecs; ++v) vstore(c + r * ldc + v * LANES, acc[r][v]);
+}
+
+/* c[rows, vecs LANES] = x[rows, depth] w[depth, vecs LANES] (+ the row bias), c's tile in registers. */
+ALWAYS_INLINE void product_tile(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias,
+                                float *c, int64_t ldc, int64_t depth, const int rows, const int vecs) {
+    vec acc[TILE_ROWS][TILE_VECS];
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < vecs; ++v) acc[r][v] = bias ? vload(bias + v * LANES) : vzero();
+    for (int64_t i = 0; i < depth; ++i) {
+        vec wv[TILE_VECS];
+        for (int v = 0; v < vecs; ++v) wv[v] = vload(w + i * ldw + v * LANES);
+        for (int r = 0; r < rows; ++r) {
+            const vec xb = vbroadcast(x[r * ldx + i]);
+            for (int v = 0; v < vecs; ++v) acc[r][v] = vfma(xb, wv[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < vecs; ++v) vstore(c + r * ldc + v * LANES, acc[r][v]);
+}
+
+/* The tiles with constant shapes, so that each is compiled with its accumulators in registers. */
+#define TILE_CASES(call, rows)                                                                          \
+    switch (vecs) {                                                                                     \
+    case 1: call(rows, 1); break;                                                                       \
+    case 2: call(rows, 2); break;                                                                       \
+    case 3: call(rows, 3); break;                                                                       \
+    default: call(rows, TILE_VECS); break;                                                              \
+    }
+#define DISPATCH(call)                                                                                  \
+    switch (rows) {                                                                                     \
+    case 1: TILE_CASES(call, 1) break;                                                                  \
+    case 2: TILE_CASES(call, 2) break;                                                                  \
+    case 3: TILE_CASES(call, 3) break;                                                                  \
+    case 4: TILE_CASES(call, 4) break;                                                                  \
+    case 5: TILE_CASES(call, 5) break;                                                                  \
+    default: TILE_CASES(call, TILE_ROWS) break;                                                         \
+    }
+
+static void sum_tile_any(const float *x, int64_t ldx, const float *y, int64_t ldy, float *c, int64_t ldc,
+                         int64_t n, int rows, int vecs) {
+#define SUM_CALL(r, v) sum_tile(x, ldx, y, ldy, c, ldc, n, r, v)
+    DISPATCH(SUM_CALL)
+#undef SUM_CALL
+}
+
+static void product_tile_any(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, float *c,
+                             int64_t ldc, int64_t depth, int rows, int vecs) {
+#define PRODUCT_CALL(r, v) product_tile(x, ldx, w, ldw, bias, c, ldc, depth, r, v)
+    DISPATCH(PRODUCT_CALL)
+#undef PRODUCT_CALL
+}
+
+/* c[r] = bias + sum_i x[r, i] w[i] for the tile's rows: the dots side by side, so that no row waits for
+ * the previous row's chain of adds. */
+ALWAYS_INLINE void dots_tile(const float *x, int64_t ldx, const float *w, float bias, float *c, int64_t ldc,
+                             int64_t depth, const int rows) {
+    vec acc[TILE_ROWS];
+    for (int r = 0; r < rows; ++r) acc[r] = vzero();
+    int64_t i = 0;
+    for (; i + LANES <= depth; i += LANES) {
+        const vec wv = vload(w + i);
+        for (int r = 0; r < rows; ++r) acc[r] = vfma(vload(x + r * ldx + i), wv, acc[r]);
+    }
+    for (int r = 0; r < rows; ++r) {
+        float s = vsum(acc[r]);
+        for (int64_t k = i; k < depth; ++k) s += x[r * ldx + k] * w[k];
+        c[r * ldc] = bias + s;
+    }
+}
+
+static void dots_tile_any(const float *x, int64_t ldx, const float *w, float bias, float *c, int64_t ldc,
+                          int64_t depth, int rows) {
+    switch (rows) {
+    case 1: dots_tile(x, ldx, w, bias, c, ldc, depth, 1); break;
+    case 2: dots_tile(x, ldx, w, bias, c, ldc, depth, 2); break;
+    case 3: dots_tile(x, ldx, w, bias, c, ldc, depth, 3); break;
+    case 4: dots_tile(x, ldx, w, bias, c, ldc, depth, 4); break;
+    case 5: dots_tile(x, ldx, w, bias, c, ldc, depth, 5); break;
+    default: dots_tile(x, ldx, w, bias, c, ldc, depth, TILE_ROWS); break;
+    }
+}
+
+/* acc[D] += s x[D] (s = 1: acc += x). */
+static void scaled_add(float *acc, const float *x, float s, int64_t n) {
+    const vec sb = vbroadcast(s);
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) vstore(acc + i, vfma(sb, vload(x + i), vload(acc + i)));
+    for (; i < n; ++i) acc[i] += s * x[i];
+}
+
+#endif /* LANES */
+
+void transposed_product(const float *x, const float *y, float *c, int64_t b0, int64_t b1, int64_t n, int64_t depth,
+                        int64_t columns, int32_t with_sum, int64_t sbx, int64_t ldx, int64_t sby, int64_t ldy,
+                        int64_t sbc, int64_t ldc) {
+#if LANES
+    const int64_t full = columns / LANES, rest = columns - full * LANES, extra = rest + (with_sum ? 1 : 0);
+    float *sums = extra ? malloc(sizeof(float) * extra * depth) : 0; /* the columns past the vectors, by row */
+    for (int64_t b = b0; b < b1; ++b) {
+        const float *xb = x + b * sbx, *yb = y + b * sby;
+        float *cb = c + b * sbc;
+        for (int64_t i = 0; i < depth; ++i) memset(cb + i * ldc, 0, sizeof(float) * full * LANES);
+        if (extra) memset(sums, 0, sizeof(float) * extra * depth);
+        for (int64_t t0 = 0; t0 < n; t0 += TOKEN_BLOCK) {
+            const int64_t tn = n - t0 < TOKEN_BLOCK ? n - t0 : TOKEN_BLOCK;
+            for (int64_t i0 = 0; i0 < depth; i0 += TILE_ROWS) {
+                const int rows = depth - i0 < TILE_ROWS ? (int)(depth - i0) : TILE_ROWS;
+                for (int64_t v0 = 0; v0 < full; v0 += TILE_VECS) {
+                    const int vecs = full - v0 < TILE_VECS ? (int)(full - v0) : TILE_VECS;
+                    sum_tile_any(xb + t0 * ldx + i0, ldx, yb + t0 * ldy + v0 * LANES, ldy, cb + i0 * ldc + v0 * LANES,
+                                 ldc, tn, rows, vecs);
+                }
+            }
+            for (int64_t t = t0; t < t0 + tn; ++t) {
+                for (int64_t j = 0; j < rest; ++j) scaled_add(sums + j * depth, xb + t * ldx, yb[t * ldy + full * LANES + j], depth);
+                if (with_sum) scaled_add(sums + rest * depth, xb + t * ldx, 1.0f, depth);
+            }
+        }
+        for (int64_t j = 0; j < extra; ++j)
+            for (int64_t i = 0; i < depth; ++i) cb[i * ldc + full * LANES + j] = sums[j * depth + i];
+    }
+    free(sums);
+#else
+    (void)x, (void)y, (void)c, (void)b0, (void)b1, (void)n, (void)depth, (void)columns, (void)with_sum;
+    (void)sbx, (void)ldx, (void)sby, (void)ldy, (void)sbc, (void)ldc;
+#endif
+}
+
+void product(const float *x, const float *w, const float *bias, float *c, int64_t b0, int64_t b1, int64_t n,
+             int64_t depth, int64_t columns, int64_t sbx, int64_t ldx, int64_t sbw, int64_t ldw, int64_t sbbias,
+             int64_t sbc, int64_t ldc) {
+#if LANES
+    const int64_t full = columns / LANES, rest = columns - full * LANES;
+    float *w_rest = rest ? malloc(sizeof(float) * rest * depth) : 0; /* w's last columns, each contiguous */
+    for (int64_t b = b0; b < b1; ++b) {
+        const float *xb = x + b * sbx, *wb = w + b * sbw, *biasb = bias ? bias + b * sbbias : 0;
+        float *cb = c + b * sbc;
+        for (int64_t j = 0; j < rest; ++j)
+            for (int64_t i = 0; i < depth; ++i) w_rest[j * depth + i] = wb[i * ldw + full * LANES + j];
+        for (int64_t t0 = 0; t0 < n; t0 += TILE_ROWS) {
+            const int rows = n - t0 < TILE_ROWS ? (int)(n - t0) : TILE_ROWS;
+            for (int64_t v0 = 0; v0 < full; v0 += TILE_VECS) {
+                const int vecs = full - v0 < TILE_VECS ? (int)(full - v0) : TILE_VECS;
+                product_tile_any(xb + t0 * ldx, ldx, wb + v0 * LANES, ldw, biasb ? biasb + v0 * LANES : 0,
+                                 cb + t0 * ldc + v0 * LANES, ldc, depth, rows, vecs);
+            }
+            for (int64_t j = 0; j < rest; ++j)
+                dots_tile_any(xb + t0 * ldx, ldx, w_rest + j * depth, biasb ? biasb[full * LANES + j] : 0.0f,
+                              cb + t0 * ldc + full * LANES + j, ldc, depth, rows);
+        }
+    }
+    free(w_rest);
+#else
+    (void)x, (void)w, (void)bias, (void)c, (void)b0, (void)b1, (void)n, (void)depth, (void)columns;
+    (void)sbx, (void)ldx, (void)sbw, (void)ldw, (void)sbbias, (void)sbc, (void)ldc;
+#endif
+}

@@ -1,0 +1,122 @@
+"""The linear-attention core's native products (``ops.products``, ``token_products.c``) against their
+reference, the same product in float64 by ``torch.bmm``: every tile shape the C code dispatches (rows and
+vectors at their ends), the columns past the last full vector, the sum column, a bias, strided rows and
+batch entries, one and two threads. Then: the core gives the same values and gradients with and without
+the native products, and takes them only where they apply.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from luna_convert.ops import linear, native, products
+
+
+@pytest.fixture
+def library():
+    if products.native_library() is None:
+        pytest.skip(products.native_status())
+    return products.native_library()
+
+
+def reference_transposed(x, y, with_sum):
+    out = torch.bmm(x.double().transpose(1, 2), y.double())
+    return torch.cat([out, x.double().sum(1, keepdim=True).transpose(1, 2)], -1) if with_sum else out
+
+
+def strided(shape, extra: int, seed: int) -> torch.Tensor:
+    """A [B, N, C] float32 tensor whose rows lie ``extra`` floats apart beyond C (a slice of a wider one)."""
+    torch.manual_seed(seed)
+    return torch.randn(*shape[:-1], shape[-1] + extra)[..., :shape[-1]]
+
+
+# depth: features (tile rows 1-6 and their ends); columns: full vectors of 8 or 16 lanes, ends of 1-15,
+# fewer columns than a vector; tokens: one, a partial tile, past the 256-token block
+SHAPES = [(64, 64, 4096 // 8), (64, 65, 300), (13, 17, 7), (6, 16, 1), (130, 70, 513), (5, 3, 257), (1, 49, 31)]
+
+
+@pytest.mark.parametrize("depth, columns, tokens", SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_transposed_product_matches_bmm(library, depth, columns, tokens, threads):
+    x, y = strided((3, tokens, depth), 3, depth), strided((3, tokens, columns), 0, columns)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for with_sum in (False, True):
+            out = products.transposed_product(x, y, with_sum)
+            assert out.shape == (3, depth, columns + with_sum) and out.dtype == torch.float32
+            torch.testing.assert_close(out.double(), reference_transposed(x, y, with_sum), rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("depth, columns, tokens", SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_product_matches_bmm(library, depth, columns, tokens, threads):
+    x = strided((3, tokens, depth), 5, tokens)
+    w = strided((3, depth, columns), 2, depth)
+    w_t = strided((3, columns, depth), 0, columns).transpose(1, 2)  # unit row stride: copied first
+    bias = torch.randn(3, 1, columns)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for weight in (w, w_t):
+            reference = torch.bmm(x.double(), weight.double())
+            torch.testing.assert_close(products.product(x, weight).double(), reference, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(products.product(x, weight, bias).double(), reference + bias.double(),
+                                       rtol=1e-5, atol=1e-4)
+        shared = torch.randn(1, 1, columns).expand(3, 1, columns)  # one bias for every batch entry
+        torch.testing.assert_close(products.product(x, w, shared).double(),
+                                   torch.bmm(x.double(), w.double()) + shared.double(), rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_products_keep_bmm_where_the_native_code_does_not_apply(monkeypatch):
+    """float64, operands that record a gradient, features with a column stride (Taylor's and LLoPS's
+    [.., N, D] views of feature-major memory): torch.bmm, to the bit. Float32 operands: the native code,
+    when it is built."""
+    calls = []
+    monkeypatch.setattr(native, "run_in_chunks", lambda *a: calls.append(a))
+    torch.manual_seed(0)
+    x, y, w = torch.randn(2, 9, 4), torch.randn(2, 9, 3), torch.randn(2, 4, 3)
+    assert torch.equal(products.transposed_product(x.double(), y.double()),
+                       torch.bmm(x.double().transpose(1, 2), y.double()))
+    assert torch.equal(products.product(x.double(), w.double()), torch.bmm(x.double(), w.double()))
+    leaf = x.clone().requires_grad_()
+    assert products.product(leaf, w).requires_grad
+    feature_major = torch.randn(2, 4, 9).transpose(1, 2)
+    assert torch.equal(products.transposed_product(feature_major, y), torch.bmm(feature_major.transpose(1, 2), y))
+    assert calls == []
+    products.transposed_product(x, y)
+    products.product(x, w)
+    assert len(calls) == (2 if products.native_library() is not None else 0)
+
+
+@pytest.mark.parametrize("masked, clamp", [(False, False), (True, False), (False, True)])
+def test_core_gives_the_same_values_and_gradients_with_the_native_products(library, monkeypatch, masked, clamp):
+    """``linear_attention`` (the core's forward and hand-written backward) and ``linear_attention_unnormalised``
+    with the native products against the same calls on torch.bmm."""
+    torch.manual_seed(1)
+    b, h, n, features, d = 2, 3, 37, 20, 16
+    phi_q, phi_k = torch.rand(b, h, n, features) + 0.1, torch.rand(b, h, n, features) + 0.1
+    v, grad = torch.randn(b, h, n, d), torch.randn(b, h, n, d)
+    key_mask = torch.rand(b, n) > 0.3 if masked else None
+
+    def run():
+        inputs = [t.clone().requires_grad_() for t in (phi_q, phi_k, v)]
+        out = linear.linear_attention(*inputs, key_mask, clamp=clamp)
+        out.backward(grad)
+        return [out.detach(), linear.linear_attention_unnormalised(phi_q, phi_k, v, key_mask),
+                *(t.grad for t in inputs)]
+
+    calls = []
+    counted = native.run_in_chunks
+    monkeypatch.setattr(native, "run_in_chunks", lambda *a: (calls.append(a), counted(*a)))
+    with_native = run()
+    assert len(calls) == 2 + 4 + 2  # forward, backward (four products), unnormalised
+    monkeypatch.setattr(products, "native_library", lambda: None)
+    with_bmm = run()
+    for got, expected in zip(with_native, with_bmm):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
