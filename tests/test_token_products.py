@@ -1,11 +1,16 @@
 """The linear-attention core's native products (``ops.products``, ``token_products.c``) against their
 reference, the same product in float64 by ``torch.bmm``: every tile shape the C code dispatches (rows and
 vectors at their ends), the columns past the last full vector, the sum column, a bias, strided rows and
-batch entries, one and two threads. Then: the core gives the same values and gradients with and without
-the native products, and takes them only where they apply.
+batch entries, one and two threads; in the build for this CPU and, where the CPU runs it, in the AVX2
+build that a CPU without AVX-512 gets. Then: the core gives the same values and gradients with and
+without the native products, takes them only where they apply, and a build without vector code (x86-64's
+baseline) is not used.
 """
 
 from __future__ import annotations
+
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +18,28 @@ import torch
 from luna_convert.ops import linear, native, products
 
 
-@pytest.fixture
-def library():
-    if products.native_library() is None:
-        pytest.skip(products.native_status())
-    return products.native_library()
+def cpu_flags() -> set[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+
+
+@pytest.fixture(params=["this CPU", "AVX2"])
+def library(request, monkeypatch):
+    if request.param == "this CPU":
+        if products.native_library() is None:
+            pytest.skip(products.native_status())
+        return products.native_library()
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("the AVX2 build needs an x86 CPU with AVX2 and FMA")
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    lib = native.build_variant(products.NATIVE_SOURCE, ("-mavx2", "-mfma"), products.NATIVE_SIGNATURES)
+    assert lib.product_lanes() == 8
+    monkeypatch.setattr(products, "native_library", lambda: lib)
+    return lib
 
 
 def reference_transposed(x, y, with_sum):
@@ -120,3 +142,18 @@ def test_core_gives_the_same_values_and_gradients_with_the_native_products(libra
     with_bmm = run()
     for got, expected in zip(with_native, with_bmm):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_build_without_vector_code_is_not_used(monkeypatch):
+    """x86-64's baseline (SSE2, no FMA): ``product_lanes`` is 0, the status says why, torch.bmm runs."""
+    if platform.machine() not in ("x86_64", "AMD64") or native.compiler() is None:
+        pytest.skip("needs an x86 CPU and a C compiler")
+    baseline = native.build_variant(products.NATIVE_SOURCE, (), products.NATIVE_SIGNATURES)
+    assert baseline.product_lanes() == 0
+    monkeypatch.setattr(native, "load_library", lambda *a: baseline)
+    assert products.native_library() is None
+    assert products.native_status() == "off: no AVX2 with FMA or AVX-512 on this CPU"
+    calls = []
+    monkeypatch.setattr(native, "run_in_chunks", lambda *a: calls.append(a))
+    x, y = torch.randn(2, 9, 4), torch.randn(2, 9, 3)
+    assert torch.equal(products.transposed_product(x, y), torch.bmm(x.transpose(1, 2), y)) and calls == []

@@ -148,6 +148,19 @@ def load_library(source: Path, signatures: dict[str, list] | None = None) -> cty
         return lib
 
 
+def build_variant(source: Path, flags: tuple[str, ...], signatures: dict[str, list] | None = None) -> ctypes.CDLL:
+    """``source`` built with FLAGS and ``flags`` instead of TUNED_FLAGS (cached as ``load_library``'s builds are),
+    loaded apart from the library that ``load_library`` hands out: for tests of the code that another CPU
+    would run, e.g. ``("-mavx2", "-mfma")`` on an AVX-512 machine. Raises where it cannot be built."""
+    cc = compiler()
+    if cc is None:
+        raise OSError("no C compiler (set CC, or install cc, gcc or clang)")
+    lib = ctypes.CDLL(str(_build(source, cc, FLAGS + tuple(flags), "")))
+    for name, argtypes in (signatures or {}).items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
+    return lib
+
+
 def status(source: Path, signatures: dict[str, list] | None = None) -> str:
     """"on" if ``source``'s library loads, else "off: <why>" (what the bench and the CLI show)."""
     return "on" if load_library(source, signatures) is not None else f"off: {unavailable_reason(source)}"

@@ -21,7 +21,7 @@ from . import native
 
 NATIVE_SOURCE = Path(__file__).with_name("token_products.c")
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-_NATIVE_SIGNATURES = {
+NATIVE_SIGNATURES = {
     "transposed_product": [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I32, _I64, _I64, _I64, _I64, _I64, _I64],
     "product": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64],
 }
@@ -31,13 +31,13 @@ NATIVE_MIN_CHUNK = 1 << 18
 
 def native_library() -> ctypes.CDLL | None:
     """The compiled ``token_products.c`` if it has vector code for this CPU, else None."""
-    lib = native.load_library(NATIVE_SOURCE, _NATIVE_SIGNATURES)
+    lib = native.load_library(NATIVE_SOURCE, NATIVE_SIGNATURES)
     return lib if lib is not None and lib.product_lanes() > 0 else None
 
 
 def native_status() -> str:
     """"on", or "off: <why>" (what the bench records beside its timings)."""
-    status = native.status(NATIVE_SOURCE, _NATIVE_SIGNATURES)
+    status = native.status(NATIVE_SOURCE, NATIVE_SIGNATURES)
     if status == "on" and native_library() is None:
         return "off: no AVX2 with FMA or AVX-512 on this CPU"
     return status
