@@ -95,6 +95,35 @@ def test_product_matches_bmm(library, depth, columns, tokens, threads):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_four_dim_operands_at_their_strides_and_a_token_major_result(library, threads):
+    """[B, H, N, C] operands as the heads split from [B, N, H C] (row stride H C), one expanded over the batch
+    (stride 0), a result written token-major: [B, H, N, e] lying as [B, N, H, e]."""
+    torch.manual_seed(threads)
+    b, h, n, depth, columns = 2, 3, 37, 20, 17
+    x = torch.randn(b, n, h, depth).transpose(1, 2)
+    y = torch.randn(b, n, h, columns).transpose(1, 2)
+    w = torch.randn(1, h, depth, columns).expand(b, h, depth, columns)
+    bias = torch.randn(b, h, 1, columns)
+    x64, y64, w64 = x.double().reshape(-1, n, depth), y.double().reshape(-1, n, columns), w.double().reshape(-1, depth, columns)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        sums = products.transposed_product(x, y, with_sum=True)
+        assert sums.shape == (b, h, depth, columns + 1)
+        torch.testing.assert_close(sums.double(), reference_transposed(x64, y64, True).view(b, h, depth, -1),
+                                   rtol=1e-5, atol=1e-4)
+        reference = (torch.bmm(x64, w64) + bias.double().reshape(-1, 1, columns)).view(b, h, n, columns)
+        token_major = products.product(x, w, bias, token_major=True)
+        assert token_major.transpose(1, 2).is_contiguous()  # merging the heads back is a view
+        torch.testing.assert_close(token_major.double(), reference, rtol=1e-5, atol=1e-4)
+        head_major = products.product(x, w, bias)
+        assert head_major.is_contiguous()
+        torch.testing.assert_close(head_major, token_major, rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_products_keep_bmm_where_the_native_code_does_not_apply(monkeypatch):
     """float64, operands that record a gradient, features with a column stride (Taylor's and LLoPS's
     [.., N, D] views of feature-major memory): torch.bmm, to the bit. Float32 operands: the native code,
@@ -106,6 +135,8 @@ def test_products_keep_bmm_where_the_native_code_does_not_apply(monkeypatch):
     assert torch.equal(products.transposed_product(x.double(), y.double()),
                        torch.bmm(x.double().transpose(1, 2), y.double()))
     assert torch.equal(products.product(x.double(), w.double()), torch.bmm(x.double(), w.double()))
+    four_dim = products.product(x.double()[None], w.double()[None], token_major=True)  # [1, 2, 9, 3], as bmm gives it
+    assert four_dim.is_contiguous() and torch.equal(four_dim[0], torch.bmm(x.double(), w.double()))
     leaf = x.clone().requires_grad_()
     assert products.product(leaf, w).requires_grad
     feature_major = torch.randn(2, 4, 9).transpose(1, 2)
@@ -138,6 +169,7 @@ def test_core_gives_the_same_values_and_gradients_with_the_native_products(libra
     monkeypatch.setattr(native, "run_in_chunks", lambda *a: (calls.append(a), counted(*a)))
     with_native = run()
     assert len(calls) == 2 + 4 + 2  # forward, backward (four products), unnormalised
+    assert with_native[0].transpose(1, 2).is_contiguous()  # token-major: the heads merge back as a view
     monkeypatch.setattr(products, "native_library", lambda: None)
     with_bmm = run()
     for got, expected in zip(with_native, with_bmm):

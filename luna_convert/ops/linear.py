@@ -16,19 +16,17 @@ from .reference import EPS
 
 
 def _sums_and_products(phi_q, phi_k, v, keep):
-    """(the batch shape, phi_q, phi_k, the values, [S | z], [phi_q S | phi_q z]), the tensors 3-D over one batch
-    axis (B * H): the products of ``_LinearAttentionCore`` below, whose docstring says why they are these.
-    The values are v as given without a key mask, else [m v | m]."""
-    # Batched 3-D products (``ops.products``: native, or torch.bmm) take strided operands as they are: 4-D
-    # torch.matmul would expand, copy and reshape around every product.
+    """(phi_q, phi_k, the values, [S | z], [phi_q S | phi_q z]), all expanded to one leading shape (an
+    expanded tensor is a view): the products of ``_LinearAttentionCore`` below, whose docstring says why
+    they are these. The values are v as given without a key mask, else [m v | m]. Where ``ops.products``
+    runs natively, [phi_q S | phi_q z] lies token-major, and so does what is computed from it elementwise."""
     lead = torch.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
     if keep is not None:
         v = torch.nn.functional.pad(v, (0, 1), value=1.0).mul_(keep)  # [m v | m]: a fresh contiguous tensor
-    phi_q, phi_k, v = (t.reshape(-1, *t.shape[-2:]) if t.shape[:-2] == lead else
-                       t.expand(*lead, *t.shape[-2:]).reshape(-1, *t.shape[-2:]) for t in (phi_q, phi_k, v))
-    # [S | z]   [BH, D, d + 1]; without a mask z as a sum: a 65th column of ones would cost a copy of v
+    phi_q, phi_k, v = (t if t.shape[:-2] == lead else t.expand(*lead, *t.shape[-2:]) for t in (phi_q, phi_k, v))
+    # [S | z]   [..., D, d + 1]; without a mask z as a sum: a 65th column of ones would cost a copy of v
     kvz = products.transposed_product(phi_k, v, with_sum=keep is None)
-    return lead, phi_q, phi_k, v, kvz, products.product(phi_q, kvz)  # the last [BH, N, d + 1]
+    return phi_q, phi_k, v, kvz, products.product(phi_q, kvz, token_major=True)  # the last [..., N, d + 1]
 
 
 def _keys_kept(key_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -66,47 +64,41 @@ class _LinearAttentionCore(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, keep, eps, clamp):
-        lead, phi_q, phi_k, values, kvz, num_den = _sums_and_products(phi_q, phi_k, v, keep)
-        d = v.shape[-1]
-        num, den = num_den.split([d, 1], -1)  # one view call, not two slices
+        phi_q, phi_k, values, kvz, num_den = _sums_and_products(phi_q, phi_k, v, keep)
+        num, den = num_den.split([v.shape[-1], 1], -1)  # one view call, not two slices
         r, unclamped = _reciprocal_denominator(den, eps, clamp)
-        out = num * r  # [BH, N, d]
         ctx.save_for_backward(phi_q, phi_k, values, kvz, r, unclamped)
-        ctx.lead = lead
-        return out.view(*lead, *out.shape[1:])
+        return num * r  # [..., N, d]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         phi_q, phi_k, values, kvz, r, unclamped = ctx.saved_tensors
-        lead, d = ctx.lead, kvz.shape[-1] - 1
-        kv_t, z = kvz.transpose(1, 2).split([d, 1], 1)  # S^T [BH, d, D], z^T [BH, 1, D]
-        grad_num = grad_out.reshape(r.shape[0], *grad_out.shape[-2:]) * r  # d loss / d (phi_q S)   [BH, N, d]
-        grad_q = products.product(grad_num, kv_t)  # its part of phi_q's gradient   [BH, N, D]
+        d = kvz.shape[-1] - 1
+        kv_t, z = kvz.transpose(-1, -2).split([d, 1], -2)  # S^T [..., d, D], z^T [..., 1, D]
+        grad_num = grad_out * r  # d loss / d (phi_q S)   [..., N, d]
+        grad_q = products.product(grad_num, kv_t)  # its part of phi_q's gradient   [..., N, D]
         # d loss / d (phi_q z) = -(grad_out . out) r, and grad_out . out = (grad_num S^T) . phi_q
-        grad_den = torch.linalg.vecdot(grad_q, phi_q).unsqueeze_(-1).mul_(r).neg_()  # [BH, N, 1]
+        grad_den = torch.linalg.vecdot(grad_q, phi_q).unsqueeze_(-1).mul_(r).neg_()  # [..., N, 1]
         if unclamped is not None:
             grad_den.mul_(unclamped)
         grad_q.addcmul_(grad_den, z)
-        grad_kvz = products.transposed_product(phi_q, torch.cat([grad_num, grad_den], -1))  # [BH, D, d + 1]
+        grad_kvz = products.transposed_product(phi_q, torch.cat([grad_num, grad_den], -1))  # [..., D, d + 1]
         grad_k = grad_v = None
         masked = values.shape[-1] > d  # [m v | m]; else v, and z was phi_k's sum
         if ctx.needs_input_grad[1]:
+            grad_kvz_t = grad_kvz.transpose(-1, -2)
             if masked:
-                grad_k = products.product(values, grad_kvz.transpose(1, 2))
+                grad_k = products.product(values, grad_kvz_t)
             else:  # v grad_S^T + 1 grad_z^T
-                grad_kvz_t = grad_kvz.transpose(1, 2)
-                grad_k = products.product(values, grad_kvz_t[:, :d], bias=grad_kvz_t[:, d:])
-            grad_k = grad_k.view(*lead, *phi_k.shape[1:])
+                grad_k = products.product(values, grad_kvz_t[..., :d, :], bias=grad_kvz_t[..., d:, :])
         if ctx.needs_input_grad[2]:
-            # with a mask v entered as m v (m: the ones column, masked); a broadcast v sums over what it was
-            # expanded to
+            # with a mask v entered as m v (m: the ones column, masked); gradients of broadcast inputs come back
+            # at the leading shape, and autograd sums them to the inputs' shapes
             grad_v = products.product(phi_k, grad_kvz[..., :d])
             if masked:
                 grad_v.mul_(values[..., d:])
-            grad_v = grad_v.view(*lead, *phi_k.shape[1:-1], d)
-        grad_q = grad_q.view(*lead, *phi_q.shape[1:]) if ctx.needs_input_grad[0] else None
-        return grad_q, grad_k, grad_v, None, None, None
+        return grad_q if ctx.needs_input_grad[0] else None, grad_k, grad_v, None, None, None
 
 
 def linear_attention_core(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float,
@@ -146,9 +138,7 @@ def linear_attention_unnormalised(phi_q: torch.Tensor, phi_k: torch.Tensor, v: t
     ``divide_by_last_column`` gives ``linear_attention``'s values from it, to the bit."""
     compute = accumulation_dtype(phi_q, phi_k, v)
     with torch.no_grad(), torch.autocast(device_type=v.device.type, enabled=False):
-        lead, *_, num_den = _sums_and_products(phi_q.to(compute), phi_k.to(compute), v.to(compute),
-                                               _keys_kept(key_mask))
-    return num_den.view(*lead, *num_den.shape[1:])
+        return _sums_and_products(phi_q.to(compute), phi_k.to(compute), v.to(compute), _keys_kept(key_mask))[-1]
 
 
 def divide_by_last_column(num_den: torch.Tensor, eps: float = EPS, clamp: bool = False) -> torch.Tensor:

@@ -2,17 +2,21 @@
 block) and x w (many token rows times a small block), natively (``token_products.c``) where it applies and
 with ``torch.bmm``, their reference, everywhere else.
 
-The native code applies to float32 CPU tensors of three dims with unit column stride, in eager code, where
-no gradient is recorded, on a CPU with AVX-512 or AVX2 and FMA, once ``ops.native`` has built the library.
-On this project's machine it runs the core's shapes (12 heads x 4,096 tokens, 64 features, 64 or 65
-columns) at 82-97 GFLOP/s on one thread against 55-70 for ``torch.bmm`` (docs/performance-log.md,
-*Session 21*). Its sums round as fused multiply-adds in its own order: equal to ``torch.bmm`` to float32
-rounding, not to the bit.
+Operands are [..., N, C] with one leading shape for all (callers expand first; an expanded operand is
+read where it lies, without a copy). The native code applies to float32 CPU tensors with one or two
+leading axes and unit column stride, in eager code, where no gradient is recorded, on a CPU with AVX-512
+or AVX2 and FMA, once ``ops.native`` has built the library. It reads operands at any row and batch
+strides (the heads split from [B, N, H d] as they lie) and can write ``product``'s result token-major, so
+that merging the heads back is a view. On this project's machine it runs the core's shapes (12 heads x
+4,096 tokens, 64 features, 64 or 65 columns) at 80-97 GFLOP/s on one thread against 50-70 for
+``torch.bmm`` (docs/performance-log.md, *Session 21*). Its sums round as fused multiply-adds in their
+own order: equal to ``torch.bmm`` to float32 rounding, not to the bit.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 from pathlib import Path
 
 import torch
@@ -21,9 +25,10 @@ from . import native
 
 NATIVE_SOURCE = Path(__file__).with_name("token_products.c")
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+_LAYOUT = ctypes.c_int64 * 3  # an operand's strides in floats: outer batch axis, inner batch axis, rows
 NATIVE_SIGNATURES = {
-    "transposed_product": [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I32, _I64, _I64, _I64, _I64, _I64, _I64],
-    "product": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64],
+    "transposed_product": [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I32, _LAYOUT, _LAYOUT, _LAYOUT],
+    "product": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _LAYOUT, _LAYOUT, _LAYOUT, _LAYOUT],
 }
 # Multiply-adds per thread chunk at the least: below that a hand-off costs more than the work.
 NATIVE_MIN_CHUNK = 1 << 18
@@ -44,52 +49,81 @@ def native_status() -> str:
 
 
 def _native_applies(streamed: tuple[torch.Tensor, ...], small: tuple[torch.Tensor, ...] = ()) -> bool:
-    """Whether the native code takes these: ``streamed`` operands, [B, N, .] in unit column stride as they
-    are, and ``small`` ones, which it takes as contiguous copies where they are not. Never while compiling
-    (checked first: dynamo then reads no further)."""
+    """Whether the native code takes these: ``streamed`` operands as they are (unit column stride), and
+    ``small`` ones, which it takes as contiguous copies where they are not. Never while compiling (checked
+    first: dynamo then reads no further)."""
     if torch.compiler.is_compiling():
         return False
     tensors = (*streamed, *small)
-    return (all(t.dim() == 3 and t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    return (all(t.dim() in (3, 4) and t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
             and all(t.stride(-1) == 1 for t in streamed)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             and native_library() is not None)
 
 
-def _chunks(batch: int, work_per_entry: int) -> int:
-    return native.chunk_count(batch, max(1, NATIVE_MIN_CHUNK // max(1, work_per_entry)))
+def _layout(t: torch.Tensor):
+    """``t`` [B, H, R, C] or [H, R, C] as the C code's {outer, inner, row} strides."""
+    return _LAYOUT(*t.stride()[:3]) if t.dim() == 4 else _LAYOUT(0, *t.stride()[:2])
+
+
+def _run(function, batch: int, work_per_entry: int) -> None:
+    """``function(b0, b1)`` over the batch entries, in thread chunks (``ops.native.run_in_chunks``)."""
+    chunks = native.chunk_count(batch, max(1, NATIVE_MIN_CHUNK // max(1, work_per_entry)))
+    native.run_in_chunks(lambda b0, b1, _: function(b0, b1), batch, chunks)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """[..., R, C] as [-1, R, C] for torch.bmm (a copy where the leading axes do not merge)."""
+    return t if t.dim() == 3 else t.reshape(-1, *t.shape[-2:])
+
+
+def _unflat(t: torch.Tensor, lead) -> torch.Tensor:
+    return t if len(lead) == 1 else t.view(*lead, *t.shape[1:])
 
 
 def transposed_product(x: torch.Tensor, y: torch.Tensor, with_sum: bool = False) -> torch.Tensor:
-    """x^T y for x [B, N, D] and y [B, N, e]: [B, D, e], or with ``with_sum`` [B, D, e + 1] whose last
-    column is x's sum over the N tokens (``torch.cat([x^T y, x.sum(1)[..., None]], -1)``)."""
+    """x^T y for x [..., N, D] and y [..., N, e]: [..., D, e], or with ``with_sum`` [..., D, e + 1] whose last
+    column is x's sum over the N tokens (``torch.cat([x^T y, x.sum(-2)[..., None]], -1)``)."""
     if not _native_applies((x, y)):
-        product_t = torch.bmm(x.transpose(1, 2), y)
-        return torch.cat([product_t, x.sum(1).unsqueeze_(-1)], -1) if with_sum else product_t
-    (b, n, depth), columns = x.shape, y.shape[-1]
-    out = torch.empty(b, depth, columns + with_sum)
-    lib = native_library()
-    args = (n, depth, columns, int(with_sum), x.stride(0), x.stride(1), y.stride(0), y.stride(1), out.stride(0),
-            out.stride(1))
-    native.run_in_chunks(lambda b0, b1, _: lib.transposed_product(x.data_ptr(), y.data_ptr(), out.data_ptr(), b0, b1,
-                                                                  *args), b, _chunks(b, n * depth * columns))
+        lead, x3, y3 = x.shape[:-2], _flat(x), _flat(y)
+        out = torch.bmm(x3.transpose(1, 2), y3)
+        if with_sum:
+            out = torch.cat([out, x3.sum(1).unsqueeze_(-1)], -1)
+        return _unflat(out, lead)
+    *lead, n, depth = x.shape
+    columns, inner = y.shape[-1], x.shape[-3]
+    out = torch.empty(*lead, depth, columns + with_sum)
+    lib, layouts = native_library(), (_layout(x), _layout(y), _layout(out))
+    _run(lambda b0, b1: lib.transposed_product(x.data_ptr(), y.data_ptr(), out.data_ptr(), b0, b1, inner, n, depth,
+                                               columns, int(with_sum), *layouts),
+         math.prod(lead), n * depth * columns)
     return out
 
 
-def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x w for x [B, N, D] and w [B, D, e]: [B, N, e] (``torch.bmm(x, w)``); with a ``bias`` [B, 1, e], x w + bias
-    (``torch.baddbmm(bias, x, w)``)."""
+def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+            token_major: bool = False) -> torch.Tensor:
+    """x w for x [..., N, D] and w [..., D, e]: [..., N, e]; with a ``bias`` [..., 1, e], x w + bias.
+
+    ``token_major``: where the native code runs, a [B, H, N, e] result lies in memory as [B, N, H, e], the
+    order in which heads merge back into [B, N, H e] as a view (elsewhere it is contiguous)."""
     small = (w,) if bias is None else (w, bias)
     if not _native_applies((x,), small):
-        return torch.bmm(x, w) if bias is None else torch.baddbmm(bias, x, w)
-    (b, n, depth), columns = x.shape, w.shape[-1]
+        lead = x.shape[:-2]
+        out = torch.bmm(_flat(x), _flat(w)) if bias is None else torch.baddbmm(_flat(bias), _flat(x), _flat(w))
+        return _unflat(out, lead)
+    *lead, n, depth = x.shape
+    columns, inner = w.shape[-1], x.shape[-3]
     w = w if w.stride(-1) == 1 else w.contiguous()
-    bias = None if bias is None else bias.expand(b, 1, columns).contiguous()
-    out = torch.empty(b, n, columns)
+    if bias is not None and bias.stride(-1) != 1:
+        bias = bias.contiguous()
+    if token_major and x.dim() == 4:
+        out = torch.empty(lead[0], n, inner, columns).transpose(1, 2)
+    else:
+        out = torch.empty(*lead, n, columns)
     lib = native_library()
+    layouts = (_layout(x), _layout(w), _layout(bias) if bias is not None else _LAYOUT(0, 0, 0), _layout(out))
     bias_pointer = 0 if bias is None else bias.data_ptr()
-    args = (n, depth, columns, x.stride(0), x.stride(1), w.stride(0), w.stride(1), 0 if bias is None else columns,
-            out.stride(0), out.stride(1))
-    native.run_in_chunks(lambda b0, b1, _: lib.product(x.data_ptr(), w.data_ptr(), bias_pointer, out.data_ptr(), b0,
-                                                       b1, *args), b, _chunks(b, n * depth * columns))
+    _run(lambda b0, b1: lib.product(x.data_ptr(), w.data_ptr(), bias_pointer, out.data_ptr(), b0, b1, inner, n, depth,
+                                    columns, *layouts),
+         math.prod(lead), n * depth * columns)
     return out

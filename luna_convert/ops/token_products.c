@@ -1,7 +1,7 @@
 /* The linear-attention core's two matrix products on the CPU in float32 (the native path of
  * ops.products; the reference is torch.bmm): per batch entry b of [b0, b1),
  *
- *     transposed_product:   c[b] = x[b]^T y[b]         x [n, D], y [n, e] -> c [D, e (+ 1)]
+ *     transposed_product:   c[b] = x[b]^T y[b]            x [n, D], y [n, e] -> c [D, e (+ 1)]
  *                           (with `with_sum`, c's column e holds x[b]'s sum over the n tokens: z)
  *     product:              c[b] = x[b] w[b] (+ bias[b])  x [n, D], w [D, e], bias [e] or NULL -> c [n, e]
  *
@@ -15,8 +15,11 @@
  * forbids the compiler to choose them), so the sums round as a fused sum does, not as BLAS's order does:
  * the values agree with torch.bmm to float32 rounding, not to the bit.
  *
- * Rows have a stride (in floats) and unit column stride; batch entries have their own stride. Columns
- * beyond the last full vector of LANES, and the sum column, go through a dot product per column.
+ * The batch is two axes, [B, H] (batch and heads): entry b of [b0, b1) is (b / inner, b % inner) with
+ * inner = H. Each operand's layout is three strides in floats, {outer, inner, row}, and unit column stride,
+ * so that the heads split from [B, N, H d] are read where they lie, and a result can be written
+ * token-major ([B, N, H, e] memory) for the heads to merge back without a copy. Columns beyond the last
+ * full vector of LANES, and the sum column, go through a dot product per column.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -173,17 +176,21 @@ static void scaled_add(float *acc, const float *x, float s, int64_t n) {
     for (; i < n; ++i) acc[i] += s * x[i];
 }
 
+/* Where batch entry b starts in an operand of layout s. */
+static inline int64_t entry(const int64_t *s, int64_t b, int64_t inner) { return (b / inner) * s[0] + (b % inner) * s[1]; }
+
 #endif /* LANES */
 
-void transposed_product(const float *x, const float *y, float *c, int64_t b0, int64_t b1, int64_t n, int64_t depth,
-                        int64_t columns, int32_t with_sum, int64_t sbx, int64_t ldx, int64_t sby, int64_t ldy,
-                        int64_t sbc, int64_t ldc) {
+void transposed_product(const float *x, const float *y, float *c, int64_t b0, int64_t b1, int64_t inner, int64_t n,
+                        int64_t depth, int64_t columns, int32_t with_sum, const int64_t *sx, const int64_t *sy,
+                        const int64_t *sc) {
 #if LANES
     const int64_t full = columns / LANES, rest = columns - full * LANES, extra = rest + (with_sum ? 1 : 0);
+    const int64_t ldx = sx[2], ldy = sy[2], ldc = sc[2];
     float *sums = extra ? malloc(sizeof(float) * extra * depth) : 0; /* the columns past the vectors, by row */
     for (int64_t b = b0; b < b1; ++b) {
-        const float *xb = x + b * sbx, *yb = y + b * sby;
-        float *cb = c + b * sbc;
+        const float *xb = x + entry(sx, b, inner), *yb = y + entry(sy, b, inner);
+        float *cb = c + entry(sc, b, inner);
         for (int64_t i = 0; i < depth; ++i) memset(cb + i * ldc, 0, sizeof(float) * full * LANES);
         if (extra) memset(sums, 0, sizeof(float) * extra * depth);
         for (int64_t t0 = 0; t0 < n; t0 += TOKEN_BLOCK) {
@@ -206,20 +213,21 @@ void transposed_product(const float *x, const float *y, float *c, int64_t b0, in
     }
     free(sums);
 #else
-    (void)x, (void)y, (void)c, (void)b0, (void)b1, (void)n, (void)depth, (void)columns, (void)with_sum;
-    (void)sbx, (void)ldx, (void)sby, (void)ldy, (void)sbc, (void)ldc;
+    (void)x, (void)y, (void)c, (void)b0, (void)b1, (void)inner, (void)n, (void)depth, (void)columns;
+    (void)with_sum, (void)sx, (void)sy, (void)sc;
 #endif
 }
 
-void product(const float *x, const float *w, const float *bias, float *c, int64_t b0, int64_t b1, int64_t n,
-             int64_t depth, int64_t columns, int64_t sbx, int64_t ldx, int64_t sbw, int64_t ldw, int64_t sbbias,
-             int64_t sbc, int64_t ldc) {
+void product(const float *x, const float *w, const float *bias, float *c, int64_t b0, int64_t b1, int64_t inner,
+             int64_t n, int64_t depth, int64_t columns, const int64_t *sx, const int64_t *sw, const int64_t *sbias,
+             const int64_t *sc) {
 #if LANES
-    const int64_t full = columns / LANES, rest = columns - full * LANES;
+    const int64_t full = columns / LANES, rest = columns - full * LANES, ldx = sx[2], ldw = sw[2], ldc = sc[2];
     float *w_rest = rest ? malloc(sizeof(float) * rest * depth) : 0; /* w's last columns, each contiguous */
     for (int64_t b = b0; b < b1; ++b) {
-        const float *xb = x + b * sbx, *wb = w + b * sbw, *biasb = bias ? bias + b * sbbias : 0;
-        float *cb = c + b * sbc;
+        const float *xb = x + entry(sx, b, inner), *wb = w + entry(sw, b, inner);
+        const float *biasb = bias ? bias + entry(sbias, b, inner) : 0;
+        float *cb = c + entry(sc, b, inner);
         for (int64_t j = 0; j < rest; ++j)
             for (int64_t i = 0; i < depth; ++i) w_rest[j * depth + i] = wb[i * ldw + full * LANES + j];
         for (int64_t t0 = 0; t0 < n; t0 += TILE_ROWS) {
@@ -236,7 +244,7 @@ void product(const float *x, const float *w, const float *bias, float *c, int64_
     }
     free(w_rest);
 #else
-    (void)x, (void)w, (void)bias, (void)c, (void)b0, (void)b1, (void)n, (void)depth, (void)columns;
-    (void)sbx, (void)ldx, (void)sbw, (void)ldw, (void)sbbias, (void)sbc, (void)ldc;
+    (void)x, (void)w, (void)bias, (void)c, (void)b0, (void)b1, (void)inner, (void)n, (void)depth, (void)columns;
+    (void)sx, (void)sw, (void)sbias, (void)sc;
 #endif
 }
