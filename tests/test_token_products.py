@@ -96,9 +96,9 @@ def test_product_matches_bmm(library, depth, columns, tokens, threads):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_four_dim_operands_at_their_strides_and_a_token_major_result(library, threads):
-    """[B, H, N, C] operands as the heads split from [B, N, H C] (row stride H C), one expanded over the batch
-    (stride 0), a result written token-major: [B, H, N, e] lying as [B, N, H, e]."""
+def test_four_dim_operands_at_their_strides(library, threads):
+    """[B, H, N, C] operands as the heads split from [B, N, H C] (row stride H C) and one expanded over the
+    batch (stride 0), read where they lie."""
     torch.manual_seed(threads)
     b, h, n, depth, columns = 2, 3, 37, 20, 17
     x = torch.randn(b, n, h, depth).transpose(1, 2)
@@ -114,12 +114,9 @@ def test_four_dim_operands_at_their_strides_and_a_token_major_result(library, th
         torch.testing.assert_close(sums.double(), reference_transposed(x64, y64, True).view(b, h, depth, -1),
                                    rtol=1e-5, atol=1e-4)
         reference = (torch.bmm(x64, w64) + bias.double().reshape(-1, 1, columns)).view(b, h, n, columns)
-        token_major = products.product(x, w, bias, token_major=True)
-        assert token_major.transpose(1, 2).is_contiguous()  # merging the heads back is a view
-        torch.testing.assert_close(token_major.double(), reference, rtol=1e-5, atol=1e-4)
-        head_major = products.product(x, w, bias)
-        assert head_major.is_contiguous()
-        torch.testing.assert_close(head_major, token_major, rtol=0, atol=0)
+        out = products.product(x, w, bias)
+        assert out.shape == (b, h, n, columns) and out.is_contiguous()
+        torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-4)
     finally:
         torch.set_num_threads(previous)
 
@@ -135,8 +132,8 @@ def test_products_keep_bmm_where_the_native_code_does_not_apply(monkeypatch):
     assert torch.equal(products.transposed_product(x.double(), y.double()),
                        torch.bmm(x.double().transpose(1, 2), y.double()))
     assert torch.equal(products.product(x.double(), w.double()), torch.bmm(x.double(), w.double()))
-    four_dim = products.product(x.double()[None], w.double()[None], token_major=True)  # [1, 2, 9, 3], as bmm gives it
-    assert four_dim.is_contiguous() and torch.equal(four_dim[0], torch.bmm(x.double(), w.double()))
+    four_dim = products.product(x.double()[None], w.double()[None])  # [1, 2, 9, 3]
+    assert torch.equal(four_dim[0], torch.bmm(x.double(), w.double()))
     leaf = x.clone().requires_grad_()
     assert products.product(leaf, w).requires_grad
     feature_major = torch.randn(2, 4, 9).transpose(1, 2)
@@ -169,7 +166,6 @@ def test_core_gives_the_same_values_and_gradients_with_the_native_products(libra
     monkeypatch.setattr(native, "run_in_chunks", lambda *a: (calls.append(a), counted(*a)))
     with_native = run()
     assert len(calls) == 2 + 4 + 2  # forward, backward (four products), unnormalised
-    assert with_native[0].transpose(1, 2).is_contiguous()  # token-major: the heads merge back as a view
     monkeypatch.setattr(products, "native_library", lambda: None)
     with_bmm = run()
     for got, expected in zip(with_native, with_bmm):

@@ -23,7 +23,7 @@ NATIVE_MAX_CHANNELS = 4096  # MAX_C of dwc_tokens.c
 NATIVE_MIN_CHUNK = 1 << 16
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 _NATIVE_SIGNATURES = {"dwc_tokens_forward": [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-                                               _P, _I32, _I32, _P, _P, _P, _I64, _I64, _I64, _I32, _F, _P],
+                                               _P, _I32, _I32, _P, _P, _P, _I32, _F, _P],
                       "dwc_tokens_backward": [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                                               _P, _I32, _I32, _P, _P, _P, _P, _P]}
 
@@ -149,7 +149,7 @@ def _native_pass(x, weight, bias, addend, keep, divide, layout) -> torch.Tensor:
     memory. ``keep`` uint8 [B, N] or None; ``layout`` (prefix, grid_h, grid_w, kh, kw)."""
     b, h, n, c = x.shape
     out = torch.empty(b, n, h, c, dtype=torch.float32)  # token-major (see depthwise_conv_tokens_plus)
-    addend = addend if addend.stride(-1) == 1 else addend.contiguous()  # read at its strides: token-major too
+    addend = addend.contiguous()
     taps = weight.reshape(c, -1).t().contiguous()  # [kh kw, C]: each tap's weights contiguous
     bias = None if bias is None else bias.contiguous()
     lib, rows = native_library(), b * n  # a thread's rows: tokens, all heads of each
@@ -157,7 +157,7 @@ def _native_pass(x, weight, bias, addend, keep, divide, layout) -> torch.Tensor:
     prefix, grid_h, grid_w, kh, kw = layout
     args = [h, n, c, *x.stride()[:3], prefix, grid_h, grid_w, taps.data_ptr(), kh, kw,
             0 if bias is None else bias.data_ptr(), 0 if keep is None else keep.data_ptr(), addend.data_ptr(),
-            *addend.stride()[:3], mode, eps, out.data_ptr()]
+            mode, eps, out.data_ptr()]
     native.run_in_chunks(lambda r0, r1, _: lib.dwc_tokens_forward(x.data_ptr(), r0, r1, *args), rows,
                          _token_chunks(rows, h, c))
     return out.transpose(1, 2)

@@ -16,9 +16,9 @@
  * x is [B, H, n, C] with strides (sb, sh, sn, 1) in floats (the heads split from [B, n, H C] as they lie),
  * w is [kh kw, C] (the conv weight transposed), bias [C] or NULL, keep [B, n] bytes or NULL; out is
  * contiguous [B, n, H, C], token-major as the loop writes it and as the heads merge back into [B, n, H C]
- * (written in the [B, H, n, C] order, the merge would copy it); addend is [B, H, n, C] (divide 0) or
- * [B, H, n, C + 1] (divide 1 or 2) with strides (sab, sah, san, 1), token-major as ops.products writes the
- * linear attention's output or head-major: the numerator and its denominator den in the last column, added as numerator * q with q = 1 / (den + eps) (divide 1) or 1 / max(den, eps) (divide 2),
+ * (written in the [B, H, n, C] order, the merge would copy it); addend is contiguous [B, H, n, C] (divide 0)
+ * or [B, H, n, C + 1] (divide 1 or 2): the linear attention's numerator and its denominator den in the
+ * last column, added as numerator * q with q = 1 / (den + eps) (divide 1) or 1 / max(den, eps) (divide 2),
  * as ops.linear divides.
  */
 #include <stdint.h>
@@ -28,8 +28,7 @@
 void dwc_tokens_forward(const float *x, int64_t r0, int64_t r1, int64_t heads, int64_t n, int64_t channels,
                         int64_t sb, int64_t sh, int64_t sn, int64_t prefix, int64_t grid_h, int64_t grid_w,
                         const float *w, int32_t kh, int32_t kw, const float *bias, const uint8_t *keep,
-                        const float *addend, int64_t sab, int64_t sah, int64_t san, int32_t divide, float eps,
-                        float *out) {
+                        const float *addend, int32_t divide, float eps, float *out) {
     const int32_t centre = (kh / 2) * kw + kw / 2;
     float acc[MAX_C];
     for (int64_t r = r0; r < r1; ++r) { /* r = b n + t: a token of one sequence, all its heads */
@@ -37,7 +36,8 @@ void dwc_tokens_forward(const float *x, int64_t r0, int64_t r1, int64_t heads, i
         const uint8_t *kr = keep ? keep + b * n : 0;
         for (int64_t h = 0; h < heads; ++h) {
             const float *xr = x + b * sb + h * sh;
-            const float *ad = addend + b * sab + h * sah + t * san;
+            const int64_t row = (b * heads + h) * n + t;
+            const float *ad = addend + row * (divide ? channels + 1 : channels);
             float *o = out + (r * heads + h) * channels, q = 1.0f;
             if (divide) {
                 const float den = ad[channels];

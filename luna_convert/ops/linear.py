@@ -18,15 +18,14 @@ from .reference import EPS
 def _sums_and_products(phi_q, phi_k, v, keep):
     """(phi_q, phi_k, the values, [S | z], [phi_q S | phi_q z]), all expanded to one leading shape (an
     expanded tensor is a view): the products of ``_LinearAttentionCore`` below, whose docstring says why
-    they are these. The values are v as given without a key mask, else [m v | m]. Where ``ops.products``
-    runs natively, [phi_q S | phi_q z] lies token-major, and so does what is computed from it elementwise."""
+    they are these. The values are v as given without a key mask, else [m v | m]."""
     lead = torch.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
     if keep is not None:
         v = torch.nn.functional.pad(v, (0, 1), value=1.0).mul_(keep)  # [m v | m]: a fresh contiguous tensor
     phi_q, phi_k, v = (t if t.shape[:-2] == lead else t.expand(*lead, *t.shape[-2:]) for t in (phi_q, phi_k, v))
     # [S | z]   [..., D, d + 1]; without a mask z as a sum: a 65th column of ones would cost a copy of v
     kvz = products.transposed_product(phi_k, v, with_sum=keep is None)
-    return phi_q, phi_k, v, kvz, products.product(phi_q, kvz, token_major=True)  # the last [..., N, d + 1]
+    return phi_q, phi_k, v, kvz, products.product(phi_q, kvz)  # the last [..., N, d + 1]
 
 
 def _keys_kept(key_mask: torch.Tensor | None) -> torch.Tensor | None:

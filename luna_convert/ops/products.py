@@ -6,8 +6,8 @@ Operands are [..., N, C] with one leading shape for all (callers expand first; a
 read where it lies, without a copy). The native code applies to float32 CPU tensors with one or two
 leading axes and unit column stride, in eager code, where no gradient is recorded, on a CPU with AVX-512
 or AVX2 and FMA, once ``ops.native`` has built the library. It reads operands at any row and batch
-strides (the heads split from [B, N, H d] as they lie) and can write ``product``'s result token-major, so
-that merging the heads back is a view. On this project's machine it runs the core's shapes (12 heads x
+strides: the heads split from [B, N, H d] as they lie, an operand expanded over the batch without a copy
+(torch.bmm needs them as one batch axis, which copies them). On this project's machine it runs the core's shapes (12 heads x
 4,096 tokens, 64 features, 64 or 65 columns) at 80-97 GFLOP/s on one thread against 50-70 for
 ``torch.bmm`` (docs/performance-log.md, *Session 21*). Its sums round as fused multiply-adds in their
 own order: equal to ``torch.bmm`` to float32 rounding, not to the bit.
@@ -100,12 +100,8 @@ def transposed_product(x: torch.Tensor, y: torch.Tensor, with_sum: bool = False)
     return out
 
 
-def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-            token_major: bool = False) -> torch.Tensor:
-    """x w for x [..., N, D] and w [..., D, e]: [..., N, e]; with a ``bias`` [..., 1, e], x w + bias.
-
-    ``token_major``: where the native code runs, a [B, H, N, e] result lies in memory as [B, N, H, e], the
-    order in which heads merge back into [B, N, H e] as a view (elsewhere it is contiguous)."""
+def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x w for x [..., N, D] and w [..., D, e]: [..., N, e]; with a ``bias`` [..., 1, e], x w + bias."""
     small = (w,) if bias is None else (w, bias)
     if not _native_applies((x,), small):
         lead = x.shape[:-2]
@@ -116,10 +112,7 @@ def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     w = w if w.stride(-1) == 1 else w.contiguous()
     if bias is not None and bias.stride(-1) != 1:
         bias = bias.contiguous()
-    if token_major and x.dim() == 4:
-        out = torch.empty(lead[0], n, inner, columns).transpose(1, 2)
-    else:
-        out = torch.empty(*lead, n, columns)
+    out = torch.empty(*lead, n, columns)
     lib = native_library()
     layouts = (_layout(x), _layout(w), _layout(bias) if bias is not None else _LAYOUT(0, 0, 0), _layout(out))
     bias_pointer = 0 if bias is None else bias.data_ptr()

@@ -17,9 +17,9 @@
  *
  * The batch is two axes, [B, H] (batch and heads): entry b of [b0, b1) is (b / inner, b % inner) with
  * inner = H. Each operand's layout is three strides in floats, {outer, inner, row}, and unit column stride,
- * so that the heads split from [B, N, H d] are read where they lie, and a result can be written
- * token-major ([B, N, H, e] memory) for the heads to merge back without a copy. Columns beyond the last
- * full vector of LANES, and the sum column, go through a dot product per column.
+ * so that the heads split from [B, N, H d] are read where they lie, and an operand expanded over the batch
+ * (stride 0) is read without a copy. Columns beyond the last full vector of LANES, and the sum column, go
+ * through a dot product per column.
  */
 #include <stdint.h>
 #include <stdlib.h>
