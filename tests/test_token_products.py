@@ -138,6 +138,12 @@ def test_products_keep_bmm_where_the_native_code_does_not_apply(monkeypatch):
     assert products.product(leaf, w).requires_grad
     feature_major = torch.randn(2, 4, 9).transpose(1, 2)
     assert torch.equal(products.transposed_product(feature_major, y), torch.bmm(feature_major.transpose(1, 2), y))
+    # operands that do not match reach torch.bmm, which says so, never the C code, which would read past them
+    for mismatched in (lambda: products.product(x, w[:1]), lambda: products.product(x, w[:, :3]),
+                       lambda: products.transposed_product(x, y[:, :8]),
+                       lambda: products.product(x, w, bias=torch.zeros(2, 2, 3))):
+        with pytest.raises(RuntimeError):
+            mismatched()
     assert calls == []
     products.transposed_product(x, y)
     products.product(x, w)

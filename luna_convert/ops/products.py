@@ -2,15 +2,15 @@
 block) and x w (many token rows times a small block), natively (``token_products.c``) where it applies and
 with ``torch.bmm``, their reference, everywhere else.
 
-Operands are [..., N, C] with one leading shape for all (callers expand first; an expanded operand is
-read where it lies, without a copy). The native code applies to float32 CPU tensors with one or two
-leading axes and unit column stride, in eager code, where no gradient is recorded, on a CPU with AVX-512
-or AVX2 and FMA, once ``ops.native`` has built the library. It reads operands at any row and batch
-strides: the heads split from [B, N, H d] as they lie, an operand expanded over the batch without a copy
-(torch.bmm needs them as one batch axis, which copies them). On this project's machine it runs the core's shapes (12 heads x
-4,096 tokens, 64 features, 64 or 65 columns) at 80-97 GFLOP/s on one thread against 50-70 for
-``torch.bmm`` (docs/performance-log.md, *Session 21*). Its sums round as fused multiply-adds in their
-own order: equal to ``torch.bmm`` to float32 rounding, not to the bit.
+Operands are [..., N, C] with one leading shape for all (callers expand first). The native code applies
+to float32 CPU tensors with one or two leading axes and unit column stride, in eager code, where no
+gradient is recorded, on a CPU with AVX-512 or AVX2 and FMA, once ``ops.native`` has built the library.
+It reads operands at any row and batch strides: the heads split from [B, N, H d] where they lie, and an
+operand expanded over the batch without a copy (torch.bmm takes one batch axis, and reshaping to it
+copies them). On this project's machine it runs the core's shapes (12 heads x 4,096 tokens, 64 or 128
+features, 64 or 65 columns) at 1.3-1.7x ``torch.bmm``'s rate on one thread (docs/performance-log.md,
+*Session 21*). Its sums round as fused multiply-adds in their own order: equal to ``torch.bmm`` to float32
+rounding, not to the bit.
 """
 
 from __future__ import annotations
@@ -50,12 +50,15 @@ def native_status() -> str:
 
 def _native_applies(streamed: tuple[torch.Tensor, ...], small: tuple[torch.Tensor, ...] = ()) -> bool:
     """Whether the native code takes these: ``streamed`` operands as they are (unit column stride), and
-    ``small`` ones, which it takes as contiguous copies where they are not. Never while compiling (checked
-    first: dynamo then reads no further)."""
+    ``small`` ones, which it takes as contiguous copies where they are not; all of one leading shape (the C
+    code reads every operand at the first one's batch entries). Never while compiling (checked first:
+    dynamo then reads no further)."""
     if torch.compiler.is_compiling():
         return False
     tensors = (*streamed, *small)
-    return (all(t.dim() in (3, 4) and t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    lead = streamed[0].shape[:-2]
+    return (all(t.dim() in (3, 4) and t.shape[:-2] == lead and t.device.type == "cpu" and t.dtype == torch.float32
+                for t in tensors)
             and all(t.stride(-1) == 1 for t in streamed)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             and native_library() is not None)
@@ -84,7 +87,7 @@ def _unflat(t: torch.Tensor, lead) -> torch.Tensor:
 def transposed_product(x: torch.Tensor, y: torch.Tensor, with_sum: bool = False) -> torch.Tensor:
     """x^T y for x [..., N, D] and y [..., N, e]: [..., D, e], or with ``with_sum`` [..., D, e + 1] whose last
     column is x's sum over the N tokens (``torch.cat([x^T y, x.sum(-2)[..., None]], -1)``)."""
-    if not _native_applies((x, y)):
+    if not (x.shape[-2] == y.shape[-2] and _native_applies((x, y))):  # bmm says what does not match
         lead, x3, y3 = x.shape[:-2], _flat(x), _flat(y)
         out = torch.bmm(x3.transpose(1, 2), y3)
         if with_sum:
@@ -103,7 +106,8 @@ def transposed_product(x: torch.Tensor, y: torch.Tensor, with_sum: bool = False)
 def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x w for x [..., N, D] and w [..., D, e]: [..., N, e]; with a ``bias`` [..., 1, e], x w + bias."""
     small = (w,) if bias is None else (w, bias)
-    if not _native_applies((x,), small):
+    shapes_match = x.shape[-1] == w.shape[-2] and (bias is None or bias.shape[-2:] == (1, w.shape[-1]))
+    if not (shapes_match and _native_applies((x,), small)):  # bmm says what does not match
         lead = x.shape[:-2]
         out = torch.bmm(_flat(x), _flat(w)) if bias is None else torch.baddbmm(_flat(bias), _flat(x), _flat(w))
         return _unflat(out, lead)

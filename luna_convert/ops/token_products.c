@@ -70,72 +70,48 @@ int product_lanes(void) { return LANES; }
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* c[rows, vecs LANES] += x[n, rows]^T y[n, vecs LANES] over the n tokens, c's tile in registers. */
-ALWAYS_INLINE void sum_tile(const float *x, int64_t ldx, const float *y, int64_t ldy, float *c, int64_t ldc,
-                            int64_t n, const int rows, const int vecs) {
+/* c[rows, vecs LANES] = start + sum over `steps` rank-one updates a[s, r] b[s, :], the tile in registers.
+ * a's element (s, r) is at a[s a_step + r a_row], b's row s at b + s b_step; `start` is a tile with row
+ * stride start_row (0: one row for all, a bias), or NULL for zeros. Both products are this loop:
+ * x^T y steps over tokens (a = x read along a row), x w over the depth (a = x read down a column). */
+ALWAYS_INLINE void tile(const float *a, int64_t a_step, int64_t a_row, const float *b, int64_t b_step,
+                        const float *start, int64_t start_row, float *c, int64_t ldc, int64_t steps,
+                        const int rows, const int vecs) {
     vec acc[TILE_ROWS][TILE_VECS];
     for (int r = 0; r < rows; ++r)
-        for (int v = 0; v < vecs; ++v) acc[r][v] = vload(c + r * ldc + v * LANES);
-    for (int64_t t = 0; t < n; ++t) {
-        vec yv[TILE_VECS];
-        for (int v = 0; v < vecs; ++v) yv[v] = vload(y + t * ldy + v * LANES);
+        for (int v = 0; v < vecs; ++v) acc[r][v] = start ? vload(start + r * start_row + v * LANES) : vzero();
+    for (int64_t s = 0; s < steps; ++s) {
+        vec bv[TILE_VECS];
+        for (int v = 0; v < vecs; ++v) bv[v] = vload(b + s * b_step + v * LANES);
         for (int r = 0; r < rows; ++r) {
-            const vec xb = vbroadcast(x[t * ldx + r]);
-            for (int v = 0; v < vecs; ++v) acc[r][v] = vfma(xb, yv[v], acc[r][v]);
+            const vec ab = vbroadcast(a[s * a_step + r * a_row]);
+            for (int v = 0; v < vecs; ++v) acc[r][v] = vfma(ab, bv[v], acc[r][v]);
         }
     }
     for (int r = 0; r < rows; ++r)
         for (int v = 0; v < vecs; ++v) vstore(c + r * ldc + v * LANES, acc[r][v]);
 }
 
-/* c[rows, vecs LANES] = x[rows, depth] w[depth, vecs LANES] (+ the row bias), c's tile in registers. */
-ALWAYS_INLINE void product_tile(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias,
-                                float *c, int64_t ldc, int64_t depth, const int rows, const int vecs) {
-    vec acc[TILE_ROWS][TILE_VECS];
-    for (int r = 0; r < rows; ++r)
-        for (int v = 0; v < vecs; ++v) acc[r][v] = bias ? vload(bias + v * LANES) : vzero();
-    for (int64_t i = 0; i < depth; ++i) {
-        vec wv[TILE_VECS];
-        for (int v = 0; v < vecs; ++v) wv[v] = vload(w + i * ldw + v * LANES);
-        for (int r = 0; r < rows; ++r) {
-            const vec xb = vbroadcast(x[r * ldx + i]);
-            for (int v = 0; v < vecs; ++v) acc[r][v] = vfma(xb, wv[v], acc[r][v]);
-        }
-    }
-    for (int r = 0; r < rows; ++r)
-        for (int v = 0; v < vecs; ++v) vstore(c + r * ldc + v * LANES, acc[r][v]);
-}
-
-/* The tiles with constant shapes, so that each is compiled with its accumulators in registers. */
-#define TILE_CASES(call, rows)                                                                          \
+/* The tile with constant shapes, so that each is compiled with its accumulators in registers. */
+#define TILE_CASES(rows)                                                                                \
     switch (vecs) {                                                                                     \
-    case 1: call(rows, 1); break;                                                                       \
-    case 2: call(rows, 2); break;                                                                       \
-    case 3: call(rows, 3); break;                                                                       \
-    default: call(rows, TILE_VECS); break;                                                              \
+    case 1: TILE_CALL(rows, 1); break;                                                                  \
+    case 2: TILE_CALL(rows, 2); break;                                                                  \
+    case 3: TILE_CALL(rows, 3); break;                                                                  \
+    default: TILE_CALL(rows, TILE_VECS); break;                                                         \
     }
-#define DISPATCH(call)                                                                                  \
-    switch (rows) {                                                                                     \
-    case 1: TILE_CASES(call, 1) break;                                                                  \
-    case 2: TILE_CASES(call, 2) break;                                                                  \
-    case 3: TILE_CASES(call, 3) break;                                                                  \
-    case 4: TILE_CASES(call, 4) break;                                                                  \
-    case 5: TILE_CASES(call, 5) break;                                                                  \
-    default: TILE_CASES(call, TILE_ROWS) break;                                                         \
+#define TILE_CALL(r, v) tile(a, a_step, a_row, b, b_step, start, start_row, c, ldc, steps, r, v)
+
+static void tile_any(const float *a, int64_t a_step, int64_t a_row, const float *b, int64_t b_step,
+                     const float *start, int64_t start_row, float *c, int64_t ldc, int64_t steps, int rows, int vecs) {
+    switch (rows) {
+    case 1: TILE_CASES(1) break;
+    case 2: TILE_CASES(2) break;
+    case 3: TILE_CASES(3) break;
+    case 4: TILE_CASES(4) break;
+    case 5: TILE_CASES(5) break;
+    default: TILE_CASES(TILE_ROWS) break;
     }
-
-static void sum_tile_any(const float *x, int64_t ldx, const float *y, int64_t ldy, float *c, int64_t ldc,
-                         int64_t n, int rows, int vecs) {
-#define SUM_CALL(r, v) sum_tile(x, ldx, y, ldy, c, ldc, n, r, v)
-    DISPATCH(SUM_CALL)
-#undef SUM_CALL
-}
-
-static void product_tile_any(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, float *c,
-                             int64_t ldc, int64_t depth, int rows, int vecs) {
-#define PRODUCT_CALL(r, v) product_tile(x, ldx, w, ldw, bias, c, ldc, depth, r, v)
-    DISPATCH(PRODUCT_CALL)
-#undef PRODUCT_CALL
 }
 
 /* c[r] = bias + sum_i x[r, i] w[i] for the tile's rows: the dots side by side, so that no row waits for
@@ -188,6 +164,7 @@ void transposed_product(const float *x, const float *y, float *c, int64_t b0, in
     const int64_t full = columns / LANES, rest = columns - full * LANES, extra = rest + (with_sum ? 1 : 0);
     const int64_t ldx = sx[2], ldy = sy[2], ldc = sc[2];
     float *sums = extra ? malloc(sizeof(float) * extra * depth) : 0; /* the columns past the vectors, by row */
+    if (extra && !sums) abort(); /* a few KB: without them the result would be wrong */
     for (int64_t b = b0; b < b1; ++b) {
         const float *xb = x + entry(sx, b, inner), *yb = y + entry(sy, b, inner);
         float *cb = c + entry(sc, b, inner);
@@ -199,8 +176,9 @@ void transposed_product(const float *x, const float *y, float *c, int64_t b0, in
                 const int rows = depth - i0 < TILE_ROWS ? (int)(depth - i0) : TILE_ROWS;
                 for (int64_t v0 = 0; v0 < full; v0 += TILE_VECS) {
                     const int vecs = full - v0 < TILE_VECS ? (int)(full - v0) : TILE_VECS;
-                    sum_tile_any(xb + t0 * ldx + i0, ldx, yb + t0 * ldy + v0 * LANES, ldy, cb + i0 * ldc + v0 * LANES,
-                                 ldc, tn, rows, vecs);
+                    float *ct = cb + i0 * ldc + v0 * LANES; /* accumulates over the token blocks */
+                    tile_any(xb + t0 * ldx + i0, ldx, 1, yb + t0 * ldy + v0 * LANES, ldy, ct, ldc, ct, ldc, tn, rows,
+                             vecs);
                 }
             }
             for (int64_t t = t0; t < t0 + tn; ++t) {
@@ -224,6 +202,7 @@ void product(const float *x, const float *w, const float *bias, float *c, int64_
 #if LANES
     const int64_t full = columns / LANES, rest = columns - full * LANES, ldx = sx[2], ldw = sw[2], ldc = sc[2];
     float *w_rest = rest ? malloc(sizeof(float) * rest * depth) : 0; /* w's last columns, each contiguous */
+    if (rest && !w_rest) abort(); /* a few KB: without them the result would be wrong */
     for (int64_t b = b0; b < b1; ++b) {
         const float *xb = x + entry(sx, b, inner), *wb = w + entry(sw, b, inner);
         const float *biasb = bias ? bias + entry(sbias, b, inner) : 0;
@@ -234,8 +213,8 @@ void product(const float *x, const float *w, const float *bias, float *c, int64_
             const int rows = n - t0 < TILE_ROWS ? (int)(n - t0) : TILE_ROWS;
             for (int64_t v0 = 0; v0 < full; v0 += TILE_VECS) {
                 const int vecs = full - v0 < TILE_VECS ? (int)(full - v0) : TILE_VECS;
-                product_tile_any(xb + t0 * ldx, ldx, wb + v0 * LANES, ldw, biasb ? biasb + v0 * LANES : 0,
-                                 cb + t0 * ldc + v0 * LANES, ldc, depth, rows, vecs);
+                tile_any(xb + t0 * ldx, 1, ldx, wb + v0 * LANES, ldw, biasb ? biasb + v0 * LANES : 0, 0,
+                         cb + t0 * ldc + v0 * LANES, ldc, depth, rows, vecs);
             }
             for (int64_t j = 0; j < rest; ++j)
                 dots_tile_any(xb + t0 * ldx, ldx, w_rest + j * depth, biasb ? biasb[full * LANES + j] : 0.0f,
