@@ -1,7 +1,7 @@
 """What one core of this machine can do, for the one-thread limit of an attention layer
 (docs/performance-log.md, *Session 14*, "The one-thread limit, measured"): float32 matrix-product rate on
-square matrices and on the two products of the linear-attention core, and the copy and read bandwidth of
-large buffers.
+square matrices and on the two products of the linear-attention core (torch.bmm, and ``ops.products``, the
+native code the core uses where it applies: *Session 21*), and the copy and read bandwidth of large buffers.
 
 The core's products at N tokens, H heads, D features and d value columns: [S | z] = phi_k^T [v | 1]
 (H x [D, N] @ [N, d + 1]) and phi_q [S | z] (H x [N, D] @ [D, d + 1]). Reported: the median of ``--repeats``
@@ -38,6 +38,8 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
+    from luna_convert.ops import products
+
     torch.set_num_threads(args.threads)
     for size in (1024, 2048):
         a, out = torch.randn(size, size), torch.empty(size, size)
@@ -49,11 +51,15 @@ def main() -> None:
         values, state = torch.randn(h, n, columns), torch.randn(h, features, columns)
         out_state, out_rows = torch.empty(h, features, columns), torch.empty(h, n, columns)
         flops = 2 * h * n * features * columns
-        t_state = median_seconds(lambda: torch.bmm(phi.transpose(1, 2), values, out=out_state), args.repeats)
-        t_rows = median_seconds(lambda: torch.bmm(phi, state, out=out_rows), args.repeats)
-        print(f"core products, {h} x N={n}, D={features}, {columns} columns: phi_k^T [v|1] {1e3 * t_state:.2f} ms "
-              f"({flops / t_state / 1e9:.1f} GFLOP/s), phi_q [S|z] {1e3 * t_rows:.2f} ms "
-              f"({flops / t_rows / 1e9:.1f} GFLOP/s)")
+        for name, transposed, product in (
+                ("torch.bmm", lambda: torch.bmm(phi.transpose(1, 2), values, out=out_state),
+                 lambda: torch.bmm(phi, state, out=out_rows)),
+                (f"ops.products ({products.native_status()})", lambda: products.transposed_product(phi, values),
+                 lambda: products.product(phi, state))):
+            t_state, t_rows = median_seconds(transposed, args.repeats), median_seconds(product, args.repeats)
+            print(f"core products, {h} x N={n}, D={features}, {columns} columns, {name}: phi_k^T [v|1] "
+                  f"{1e3 * t_state:.2f} ms ({flops / t_state / 1e9:.1f} GFLOP/s), phi_q [S|z] {1e3 * t_rows:.2f} ms "
+                  f"({flops / t_rows / 1e9:.1f} GFLOP/s)")
     big = torch.randn(64 << 18)  # 64 MiB, beyond the caches
     copy = torch.empty_like(big)
     seconds = median_seconds(lambda: copy.copy_(big), args.repeats)
