@@ -65,12 +65,12 @@ def main() -> None:
         phi = phi_q.reshape(rows, args.tokens, width)
         phi_keys, values = phi_k.reshape(rows, args.tokens, width), v.reshape(rows, args.tokens, args.head_dim)
         print("ops.products:", products.native_status())
-        show(f"[S | z]: bmm(phi_k^T, v), phi_k's sum, cat", lambda: torch.cat(
+        show("[S | z]: bmm(phi_k^T, v), phi_k's sum, cat", lambda: torch.cat(
             [torch.bmm(phi_keys.transpose(1, 2), values), phi_keys.sum(1).unsqueeze_(-1)], -1))
         show("[S | z]: ops.products", lambda: products.transposed_product(phi_keys, values, with_sum=True))
         sz = torch.randn(rows, width, args.head_dim + 1)
         s, z = sz[..., :-1].contiguous(), sz[..., -1].contiguous()
-        show(f"phi_q [S | z]: ops.products", lambda: products.product(phi, sz))
+        show("phi_q [S | z]: ops.products", lambda: products.product(phi, sz))
         show(f"phi_q [S | z], D = {width}, 65 columns", lambda: torch.bmm(phi, sz))
         show("phi_q S, 64 columns", lambda: torch.bmm(phi, s))
         show("phi_q z apart: bmm(phi_q, z)", lambda: torch.bmm(phi, z[:, :, None]))

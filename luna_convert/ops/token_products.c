@@ -19,7 +19,8 @@
  * inner = H. Each operand's layout is three strides in floats, {outer, inner, row}, and unit column stride,
  * so that the heads split from [B, N, H d] are read where they lie, and an operand expanded over the batch
  * (stride 0) is read without a copy. Columns beyond the last full vector of LANES, and the sum column, go
- * through a dot product per column.
+ * through vector code of their own: scaled adds over the tokens (transposed_product), dot products of
+ * several rows at once (product).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,7 +37,6 @@ typedef __m512 vec;
 #define vstore(p, a) _mm512_storeu_ps((p), (a))
 #define vbroadcast(s) _mm512_set1_ps(s)
 #define vfma(a, b, c) _mm512_fmadd_ps((a), (b), (c))
-#define vadd(a, b) _mm512_add_ps((a), (b))
 static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -49,7 +49,6 @@ typedef __m256 vec;
 #define vstore(p, a) _mm256_storeu_ps((p), (a))
 #define vbroadcast(s) _mm256_set1_ps(s)
 #define vfma(a, b, c) _mm256_fmadd_ps((a), (b), (c))
-#define vadd(a, b) _mm256_add_ps((a), (b))
 static inline float vsum(vec a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
