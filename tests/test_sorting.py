@@ -241,3 +241,25 @@ def test_native_gradients_equal_the_explicit_kernel(profile, monkeypatch):
     for name, a, b in zip(["q", "k", "v", "proj", "raw_weight", "raw_bandwidth", "raw_background"], got, want):
         # measured up to 3.0e-6 of the largest gradient (float32 sums)
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5 * float(b.abs().max()), msg=name)
+
+
+@needs_native
+def test_native_gradients_do_not_depend_on_the_default_dtype(monkeypatch):
+    """The native backward's buffers are float32 whatever torch's default dtype is (its C code writes floats)."""
+    layer, (q, k, v, mask) = sixteen_value_case(PROFILES[0], 12, 300)
+    q[:, :, 3] += 0.1
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(13))
+
+    def gradients():
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(layer(*inputs, mask), inputs + list(layer.parameters()), grad_out)
+
+    want = gradients()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = gradients()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

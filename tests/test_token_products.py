@@ -121,6 +121,22 @@ def test_four_dim_operands_at_their_strides(library, threads):
         torch.set_num_threads(previous)
 
 
+def test_outputs_are_float32_whatever_the_default_dtype(library):
+    """The C code writes floats: its output buffers are float32 even where torch's default dtype is float64
+    (they were made at the default dtype once, and then held float32 bits read as float64)."""
+    torch.manual_seed(3)
+    x, y, w = torch.randn(2, 50, 8), torch.randn(2, 50, 5), torch.randn(2, 8, 5)
+    want = products.transposed_product(x, y, with_sum=True), products.product(x, w)
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = products.transposed_product(x, y, with_sum=True), products.product(x, w)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_products_keep_bmm_where_the_native_code_does_not_apply(monkeypatch):
     """float64, operands that record a gradient, features with a column stride (Taylor's and LLoPS's
     [.., N, D] views of feature-major memory): torch.bmm, to the bit. Float32 operands: the native code,

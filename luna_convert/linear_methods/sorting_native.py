@@ -115,7 +115,8 @@ class _NativeSortingAttention(torch.autograd.Function):
         b, heads, projections, _ = x.shape
         grad_x, grad_y = torch.empty_like(x), torch.empty_like(y)
         grad_v = torch.empty(b, heads, v.shape[2], v.shape[3], dtype=torch.float32)
-        grad_w, grad_c0 = torch.empty(b, heads, projections), torch.empty(b, heads)  # per row: summed below
+        grad_w = torch.empty(b, heads, projections, dtype=torch.float32)  # per row: summed below
+        grad_c0 = torch.empty(b, heads, dtype=torch.float32)
         grad_out = grad_out.contiguous()
         args, lib = _shared_args(x, y, v, keep, w, c0, ctx.matern), library()
         _run("backward", b * heads, lambda r0, r1, failed: lib.sorting_attention_backward(

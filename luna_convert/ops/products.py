@@ -95,7 +95,7 @@ def transposed_product(x: torch.Tensor, y: torch.Tensor, with_sum: bool = False)
         return _unflat(out, lead)
     *lead, n, depth = x.shape
     columns, inner = y.shape[-1], x.shape[-3]
-    out = torch.empty(*lead, depth, columns + with_sum)
+    out = torch.empty(*lead, depth, columns + with_sum, dtype=torch.float32)  # not the default dtype: C writes floats
     lib, layouts = native_library(), (_layout(x), _layout(y), _layout(out))
     _run(lambda b0, b1: lib.transposed_product(x.data_ptr(), y.data_ptr(), out.data_ptr(), b0, b1, inner, n, depth,
                                                columns, int(with_sum), *layouts),
@@ -116,7 +116,7 @@ def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) 
     w = w if w.stride(-1) == 1 else w.contiguous()
     if bias is not None and bias.stride(-1) != 1:
         bias = bias.contiguous()
-    out = torch.empty(*lead, n, columns)
+    out = torch.empty(*lead, n, columns, dtype=torch.float32)
     lib = native_library()
     layouts = (_layout(x), _layout(w), _layout(bias) if bias is not None else _LAYOUT(0, 0, 0), _layout(out))
     bias_pointer = 0 if bias is None else bias.data_ptr()
