@@ -11,11 +11,13 @@ run-to-run spread.
     python benchmarks/layer_ab.py --base d8d930e --methods performer,flexformer --batch 1 --tokens 4096
     python benchmarks/layer_ab.py --base 989503b --methods luna --grid 64x64 --prefix 1   # a ViT's layer: DWC on the grid
     python benchmarks/layer_ab.py --base 4bd2f61 --methods luna --part maps   # the feature maps alone
+    python benchmarks/layer_ab.py --base 105b667 --methods hedgehog,relu --threads 2 --background-load 1   # busy
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import subprocess
 import sys
@@ -95,6 +97,8 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=0, help="prefix tokens before the grid (with --grid)")
     parser.add_argument("--part", choices=("layer", "maps"), default="layer",
                         help="time the whole layer, or its feature maps alone (feature-map methods)")
+    parser.add_argument("--background-load", type=int, default=0,
+                        help="single-threaded matrix-product processes running meanwhile (the bench's busy condition)")
     args = parser.parse_args()
     patch_layout = {}
     if args.grid:
@@ -105,7 +109,10 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
+    from luna_convert.tools.background_load import background_load
+
+    load = background_load(args.background_load) if args.background_load else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as tmp, load:
         export_base(args.base, Path(tmp))
         sys.path.insert(0, tmp)
         versions = {"old": importlib.import_module(f"{OLD_NAME}.tools.bench"),

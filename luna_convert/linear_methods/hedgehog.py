@@ -11,12 +11,14 @@ import torch
 from torch import nn
 
 from ..ops.context import AttentionContext
+from . import hedgehog_native
 from .base import AttentionOptions, FeatureMap, Method
 from .registry import register
 
 
 class HedgehogFeatureMap(FeatureMap):
-    """Two separate softmaxes over d (not one over 2d); one Linear(d, d) per head."""
+    """Two separate softmaxes over d (not one over 2d); one Linear(d, d) per head. Natively where
+    ``hedgehog_native.applies`` (float32 on the CPU), else ``softmax_pair_features``."""
 
     options_class = AttentionOptions  # no options of its own
     shared_qk = False
@@ -31,14 +33,21 @@ class HedgehogFeatureMap(FeatureMap):
         return 2 * self.head_dim
 
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
-        b, h, n, d = x.shape
-        # W_h x + b_h for all heads in one baddbmm (bias fused), head-major: [H, B*N, d] is a view of the heads
-        # split from [B, N, H*d] and for B = 1 the result is in [B, H, N, d] order as it stands (the 4-D einsum
-        # made about ten calls around its product: permutes, views, a copy of x, the bias add).
-        z = torch.baddbmm(self.bias, x.transpose(0, 1).reshape(h, b * n, d), self.weight.transpose(1, 2))
-        z = z.view(h, b, n, d).transpose(0, 1)
-        return torch.cat([torch.softmax(z, -1), torch.softmax(-z, -1)], -1)
+        if hedgehog_native.applies(x, self.weight, self.bias):
+            return hedgehog_native.hedgehog_features(x, self.weight, self.bias)
+        return softmax_pair_features(x, self.weight, self.bias)
 
+
+def softmax_pair_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """[softmax(z), softmax(-z)] with z = x W_h^T + b_h, for x [B, H, N, d], weight [H, d, d], bias [H, 1, d]: the
+    PyTorch path (any dtype and device) and the reference of ``hedgehog_native``."""
+    b, h, n, d = x.shape
+    # W_h x + b_h for all heads in one baddbmm (bias fused), head-major: [H, B*N, d] is a view of the heads
+    # split from [B, N, H*d] and for B = 1 the result is in [B, H, N, d] order as it stands (the 4-D einsum
+    # made about ten calls around its product: permutes, views, a copy of x, the bias add).
+    z = torch.baddbmm(bias, x.transpose(0, 1).reshape(h, b * n, d), weight.transpose(1, 2))
+    z = z.view(h, b, n, d).transpose(0, 1)
+    return torch.cat([torch.softmax(z, -1), torch.softmax(-z, -1)], -1)
 
 HEDGEHOG = register(Method(
     name="hedgehog", core=HedgehogFeatureMap, distill=True,
