@@ -97,6 +97,8 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=0, help="prefix tokens before the grid (with --grid)")
     parser.add_argument("--part", choices=("layer", "maps"), default="layer",
                         help="time the whole layer, or its feature maps alone (feature-map methods)")
+    parser.add_argument("--keep-heap", action="store_true",
+                        help="glibc's heap as the luna-convert command keeps it (luna_convert.tools.heap)")
     parser.add_argument("--background-load", type=int, default=0,
                         help="single-threaded matrix-product processes running meanwhile (the bench's busy condition)")
     args = parser.parse_args()
@@ -110,6 +112,11 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from luna_convert.tools.background_load import background_load
+
+    if args.keep_heap:
+        from luna_convert.tools.heap import keep_heap
+
+        print("heap:", keep_heap())
 
     load = background_load(args.background_load) if args.background_load else contextlib.nullcontext()
     with tempfile.TemporaryDirectory() as tmp, load:

@@ -16,6 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Native kernels (ops.native) compile into a cache of this test session, not the user's ~/.cache.
 os.environ.setdefault("LUNA_CONVERT_CACHE_DIR", tempfile.mkdtemp(prefix="luna-convert-cache-"))
 
+import platform  # noqa: E402
 import random  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -225,3 +226,35 @@ class SkipGuard:
 def pytest_configure(config):
     if config.getoption("--fail-on-skip"):
         config.pluginmanager.register(SkipGuard(), "luna-skip-guard")
+
+
+def avx2_build(source: Path, signatures: dict):
+    """``source`` built for AVX2 with FMA (what a CPU without AVX-512 runs), loaded apart from the library the
+    package uses (``ops.native.build_variant``); the test is skipped where this CPU cannot run it."""
+    from luna_convert.ops import native
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= flags:
+        pytest.skip("the AVX2 build needs an x86 CPU with AVX2 and FMA")
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    return native.build_variant(source, ("-mavx2", "-mfma"), signatures)
+
+
+@pytest.fixture(params=["this CPU", "AVX2"])
+def exp_rows_library(request, monkeypatch):
+    """``ops.exp_rows``' library: the build for this CPU, then the AVX2 build (8 lanes) in its place."""
+    from luna_convert.ops import exp_rows
+
+    if request.param == "this CPU":
+        if exp_rows.library() is None:
+            pytest.skip(exp_rows.status())
+        return exp_rows.library()
+    lib = avx2_build(exp_rows.SOURCE, exp_rows.NATIVE_SIGNATURES)
+    assert lib.exp_rows_lanes() == 8
+    monkeypatch.setattr(exp_rows, "library", lambda: lib)
+    return lib

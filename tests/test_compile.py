@@ -24,8 +24,8 @@ from torch import nn
 from luna_convert.adapters.base import LinearizedAttention
 from luna_convert.conversion import convert
 from luna_convert.linear_methods import methods
-from luna_convert.linear_methods import hedgehog_native, luna_native, sorting_native
-from luna_convert.ops import native, products
+from luna_convert.linear_methods import luna_native, sorting_native
+from luna_convert.ops import exp_rows, native, products
 from luna_convert.linear_methods.luna_kernel import MAX_KNOTS_PER_CELL
 from luna_convert.tools.op_count import AtenOpCounter
 
@@ -189,22 +189,24 @@ def ops_per_forward(method: str, tokens: int, train: bool = False, **options) ->
 # cat, sum or reshape around them (t2r 37 -> 33, relu 26 -> 20, luna 47 -> 44, hedgehog 42 -> 38); llops
 # and taylor, whose features lie feature-major, keep torch.bmm, with a view more per product (60 -> 62,
 # 49 -> 51). Without it (MEASURED_OPS, remeasured): 1-3 calls more than before, the same views.
-# Session 22: hedgehog 38 -> 30 with its native map (hedgehog_native: the projection through ops.products, the
-# two softmaxes in one pass); where the products have no native code it is 49, the products' bmm path
-# copying the expanded weights and x (B = 2) as the PyTorch path's reshape copies x.
+# Session 22 (EXP_ROWS_NATIVE: ops.exp_rows built): hedgehog 38 -> 30 with its native map (hedgehog_native: the
+# projection through ops.products, the two softmaxes in one pass; where the products have no native code
+# it is 49, their bmm path copying the expanded weights and x at B = 2, as the PyTorch path's reshape copies
+# x); performer 53 -> 48 and flexformer 51 -> 46 (60 -> 55 and 58 -> 53 without native products): the
+# stabilised exp in one pass per row (performer._StabilisedExp) instead of amax, sub_ and exp_.
 NATIVE = luna_native.library() is not None
 SORTING_NATIVE = sorting_native.library() is not None
 PRODUCTS_NATIVE = products.native_library() is not None
-HEDGEHOG_NATIVE = hedgehog_native.library() is not None
-MEASURED_OPS = {"cosformer": 69, "ela": 46, "elu": 35, "flexformer": 58, "hedgehog": 49 if HEDGEHOG_NATIVE else 45,
-                "llops": 62,
+EXP_ROWS_NATIVE = exp_rows.library() is not None
+MEASURED_OPS = {"cosformer": 69, "ela": 46, "elu": 35, "flexformer": 53 if EXP_ROWS_NATIVE else 58,
+                "hedgehog": 49 if EXP_ROWS_NATIVE else 45, "llops": 62,
                 "luna": 62 if NATIVE else 116, "luna-pytorch": 116,
-                "performer": 60, "relu": 29, "sorting": 28 if SORTING_NATIVE else 219, "sorting-pytorch": 219,
-                "taylor": 51, "t2r": 40, "t2r-hh": 40}
-NATIVE_PRODUCTS_OPS = {"cosformer": 60, "ela": 38, "elu": 26, "flexformer": 51,
-                       "hedgehog": 30 if HEDGEHOG_NATIVE else 38, "llops": 62,
-                       "luna": 44 if NATIVE else 116, "performer": 53, "relu": 20, "taylor": 51, "t2r": 33,
-                       "t2r-hh": 33}
+                "performer": 55 if EXP_ROWS_NATIVE else 60, "relu": 29, "sorting": 28 if SORTING_NATIVE else 219,
+                "sorting-pytorch": 219, "taylor": 51, "t2r": 40, "t2r-hh": 40}
+NATIVE_PRODUCTS_OPS = {"cosformer": 60, "ela": 38, "elu": 26, "flexformer": 46 if EXP_ROWS_NATIVE else 51,
+                       "hedgehog": 30 if EXP_ROWS_NATIVE else 38, "llops": 62,
+                       "luna": 44 if NATIVE else 116, "performer": 48 if EXP_ROWS_NATIVE else 53, "relu": 20,
+                       "taylor": 51, "t2r": 33, "t2r-hh": 33}
 OP_SLACK = 1.1
 
 

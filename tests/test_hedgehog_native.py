@@ -1,46 +1,20 @@
-"""Hedgehog's native feature map (``hedgehog_native``, ``hedgehog_softmax.c``) against its reference, the
-PyTorch path ``hedgehog.softmax_pair_features`` in float64: values and gradients for x, W and b, at the
-heads split from [B, N, H d], over several batches, threads and head sizes, in the build for this CPU
-and, where the CPU runs it, in the AVX2 build (8 lanes) that a CPU without AVX-512 gets. Then: logits far
-apart (exp below float32's range), NaN, a layer that takes the native path and gives the PyTorch path's
-outputs, and where it does not apply.
+"""Hedgehog's native feature map (``hedgehog_native``: ``ops.products`` and ``ops.exp_rows``' softmax pair)
+against its reference, the PyTorch path ``hedgehog.softmax_pair_features`` in float64: values and gradients
+for x, W and b, at the heads split from [B, N, H d], over several batches, threads and head sizes, in the
+build for this CPU and, where the CPU runs it, in the AVX2 build (8 lanes) that a CPU without AVX-512
+gets. Then: logits far apart (exp below float32's range), a float64 default dtype, a layer that takes
+the native path and gives the PyTorch path's outputs, and where it does not apply. The exps themselves are
+tested in tests/test_exp_rows.py.
 """
 
 from __future__ import annotations
-
-import platform
-from pathlib import Path
 
 import pytest
 import torch
 
 from luna_convert.layers.attention import LinearAttention
 from luna_convert.linear_methods import hedgehog, hedgehog_native
-from luna_convert.ops import native
-
-
-def cpu_flags() -> set[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
-
-
-@pytest.fixture(params=["this CPU", "AVX2"])
-def kernel(request, monkeypatch):
-    if request.param == "this CPU":
-        if hedgehog_native.library() is None:
-            pytest.skip(hedgehog_native.status())
-        return hedgehog_native.library()
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= cpu_flags():
-        pytest.skip("the AVX2 build needs an x86 CPU with AVX2 and FMA")
-    if native.compiler() is None:
-        pytest.skip("no C compiler")
-    lib = native.build_variant(hedgehog_native.SOURCE, ("-mavx2", "-mfma"), hedgehog_native._SIGNATURES)
-    assert lib.hedgehog_softmax_lanes() == 8
-    monkeypatch.setattr(hedgehog_native, "library", lambda: lib)
-    return lib
+from luna_convert.ops import exp_rows, native
 
 
 def inputs(b: int, h: int, n: int, d: int, seed: int = 0, spread: float = 1.0):
@@ -60,9 +34,9 @@ def values_and_grads(features, x, weight, bias, grad):
 
 @pytest.mark.parametrize("b, h, n, d", [(1, 12, 300, 64), (2, 3, 17, 16), (3, 2, 5, 32), (1, 1, 1, 48)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_values_and_gradients_match_the_pytorch_path_in_float64(kernel, b, h, n, d, threads):
-    if d % hedgehog_native.lanes():
-        pytest.skip(f"d = {d} is not a multiple of this build's {hedgehog_native.lanes()} lanes")
+def test_values_and_gradients_match_the_pytorch_path_in_float64(exp_rows_library, b, h, n, d, threads):
+    if d % exp_rows.lanes():
+        pytest.skip(f"d = {d} is not a multiple of this build's {exp_rows.lanes()} lanes")
     x, weight, bias, grad = inputs(b, h, n, d)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -78,10 +52,10 @@ def test_values_and_gradients_match_the_pytorch_path_in_float64(kernel, b, h, n,
         torch.testing.assert_close(a.double(), e, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_the_avx2_build_takes_head_sizes_of_eight_lanes(kernel):
+def test_the_avx2_build_takes_head_sizes_of_eight_lanes(exp_rows_library):
     """d = 24: a multiple of 8, not of 16: the AVX2 build computes it, the AVX-512 one leaves it to PyTorch."""
     x, weight, bias, grad = inputs(2, 2, 9, 24)
-    if hedgehog_native.lanes() != 8:
+    if exp_rows.lanes() != 8:
         assert not hedgehog_native.applies(x, weight, bias)
         return
     got = values_and_grads(hedgehog_native.hedgehog_features, x, weight, bias, grad)
@@ -90,7 +64,7 @@ def test_the_avx2_build_takes_head_sizes_of_eight_lanes(kernel):
         torch.testing.assert_close(a.double(), e, rtol=1e-5, atol=1e-5)
 
 
-def test_logits_far_apart_give_zeros_not_garbage(kernel):
+def test_logits_far_apart_give_zeros_not_garbage(exp_rows_library):
     """Logits spanning about 400: most exps fall below float32's range (0 there, where torch's are 0 or
     subnormal), the largest of each half is near 1, and each half still sums to 1."""
     x, _, bias, _ = inputs(1, 2, 64, 16, spread=60.0)
@@ -104,27 +78,7 @@ def test_logits_far_apart_give_zeros_not_garbage(kernel):
     torch.testing.assert_close(got.view(1, 2, 64, 2, 16).sum(-1), torch.ones(1, 2, 64, 2))
 
 
-def test_exp_is_within_a_few_float32_rounding_errors(kernel):
-    """Rows [0, r_1 .. r_15]: the softmax's i-th value over its first is exp(r_i) (the first is exp(0) = 1
-    exactly), rounded once more by the scaling. Measured: 2.3 units of 2^-24 at most; with one Taylor
-    coefficient off by 3 % (1/700 for 1/720) 3.6."""
-    torch.manual_seed(0)
-    r = -torch.rand(40000, 15) * 87
-    y = hedgehog_native.softmax_pair(torch.cat([torch.zeros(40000, 1), r], -1)).double()[:, :16]
-    want = torch.exp(r.double())
-    assert ((y[:, 1:] / y[:, :1] - want).abs() / want).max() < 3 * 2**-24
-
-
-@pytest.mark.parametrize("where", [0, 5, 15])
-def test_a_nan_makes_its_row_nan_as_in_torch(kernel, where):
-    z = torch.randn(4, 16)
-    z[2, where] = float("nan")
-    got = hedgehog_native.softmax_pair(z)
-    assert got[2].isnan().all() and torch.cat([z[2:3], -z[2:3]], -1).softmax(-1).isnan().all()
-    assert torch.isfinite(got[[0, 1, 3]]).all()
-
-
-def test_outputs_and_gradients_are_float32_whatever_the_default_dtype(kernel):
+def test_outputs_and_gradients_are_float32_whatever_the_default_dtype(exp_rows_library):
     x, weight, bias, grad = inputs(2, 2, 9, 16)
     want = values_and_grads(hedgehog_native.hedgehog_features, x, weight, bias, grad)
     torch.set_default_dtype(torch.float64)
@@ -146,8 +100,8 @@ def test_where_it_does_not_apply():
 
 
 def test_a_hedgehog_layer_takes_the_native_path_and_gives_the_pytorch_paths_outputs(monkeypatch):
-    if hedgehog_native.library() is None:
-        pytest.skip(hedgehog_native.status())
+    if exp_rows.library() is None:
+        pytest.skip(exp_rows.status())
     q, k, v = (torch.randn(2, 4, 40, 32, requires_grad=True) for _ in range(3))
     key_mask = torch.ones(2, 40, dtype=torch.bool)
     key_mask[1, -7:] = False

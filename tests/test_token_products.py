@@ -10,20 +10,12 @@ baseline) is not used.
 from __future__ import annotations
 
 import platform
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import avx2_build
 
 from luna_convert.ops import linear, native, products
-
-
-def cpu_flags() -> set[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
 
 
 @pytest.fixture(params=["this CPU", "AVX2"])
@@ -32,11 +24,7 @@ def library(request, monkeypatch):
         if products.native_library() is None:
             pytest.skip(products.native_status())
         return products.native_library()
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= cpu_flags():
-        pytest.skip("the AVX2 build needs an x86 CPU with AVX2 and FMA")
-    if native.compiler() is None:
-        pytest.skip("no C compiler")
-    lib = native.build_variant(products.NATIVE_SOURCE, ("-mavx2", "-mfma"), products.NATIVE_SIGNATURES)
+    lib = avx2_build(products.NATIVE_SOURCE, products.NATIVE_SIGNATURES)
     assert lib.product_lanes() == 8
     monkeypatch.setattr(products, "native_library", lambda: lib)
     return lib

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops import exp_rows
 from ..ops.context import AttentionContext
 from . import hedgehog_native
 from .base import AttentionOptions, FeatureMap, Method
@@ -47,7 +48,8 @@ def softmax_pair_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     # made about ten calls around its product: permutes, views, a copy of x, the bias add).
     z = torch.baddbmm(bias, x.transpose(0, 1).reshape(h, b * n, d), weight.transpose(1, 2))
     z = z.view(h, b, n, d).transpose(0, 1)
-    return torch.cat([torch.softmax(z, -1), torch.softmax(-z, -1)], -1)
+    return exp_rows.softmax_pair_reference(z)
+
 
 HEDGEHOG = register(Method(
     name="hedgehog", core=HedgehogFeatureMap, distill=True,

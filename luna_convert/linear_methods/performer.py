@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops import exp_rows
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
 from .base import (AttentionOptions, FeatureMap, Method, check_int, check_non_negative_number, check_positive_int,
@@ -116,15 +117,44 @@ def positive_random_features(x: torch.Tensor, weight: torch.Tensor, context: Att
             weight = weight * scale
         weight = (weight.expand(b * h, m, d) if weight.dim() == 2 else weight.repeat(b, 1, 1)).mT
         logits = torch.baddbmm(half_sq_norm, x, weight)  # [BH, n, m]
+        if exp_rows.applies(logits):  # eager, float32 on the CPU
+            return _StabilisedExp.apply(logits, is_key, real is not None).view(b, h, n, m)
         with torch.no_grad():  # the stabilisers cancel exactly: no gradient (which also lets exp run in place)
-            if is_key:  # one constant per example and head
-                shift = logits.amax(dim=(1, 2), keepdim=True)
-                if real is not None:
-                    shift.nan_to_num_(neginf=0.0)  # an example without a real key (all -inf): 0
-            else:
-                shift = logits.amax(dim=-1, keepdim=True)  # per query: cancels in its own row
-            shift.add_(0.5 * math.log(m))  # m^(-1/2) exp(logits - c) = exp(logits - (c + ln(m) / 2))
+            shift = _stabiliser(logits, is_key, real is not None)
         return logits.sub_(shift).exp_().view(b, h, n, m)
+
+
+def _stabiliser(logits: torch.Tensor, is_key: bool, padded: bool) -> torch.Tensor:
+    """c + ln(m) / 2 for logits [BH, n, m], so that m^(-1/2) exp(logits - c) = exp(logits - that): c per query its
+    row's max ([BH, n, 1]); for keys one max per example and head ([BH, 1, 1]; 0 where every key is a pad)."""
+    if is_key:
+        shift = logits.amax(dim=(1, 2), keepdim=True)
+        if padded:
+            shift.nan_to_num_(neginf=0.0)  # an example without a real key (all -inf): 0
+    else:
+        shift = logits.amax(dim=-1, keepdim=True)  # per query: cancels in its own row
+    return shift.add_(0.5 * math.log(logits.shape[-1]))
+
+
+class _StabilisedExp(torch.autograd.Function):
+    """exp(logits - _stabiliser(logits)) in place, the exps one native pass per row (``ops.exp_rows``; the max, the
+    subtraction and exp were three passes), a query's max found in the same pass. The stabilisers pass no
+    gradient, so the gradient is grad * features. (Eager only: dynamo does not trace ``mark_dirty``.)"""
+
+    @staticmethod
+    def forward(ctx, logits, is_key: bool, padded: bool):
+        if is_key:
+            features = exp_rows.exp_minus_shift_(logits, _stabiliser(logits, True, padded))
+        else:
+            features = exp_rows.exp_minus_row_max_(logits, 0.5 * math.log(logits.shape[-1]))
+        ctx.mark_dirty(logits)
+        ctx.save_for_backward(features)
+        return features
+
+    @staticmethod
+    def backward(ctx, grad):
+        (features,) = ctx.saved_tensors
+        return grad * features, None, None
 
 
 PERFORMER = register(Method(

@@ -53,7 +53,8 @@ from ..errors import LunaConvertError, unknown_name
 from ..fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
 from ..conversion import convert, resolve_options
 from ..layers.attention import LinearAttention
-from ..linear_methods import METHODS, hedgehog_native, luna_native, sorting_native
+from ..linear_methods import METHODS, luna_native, sorting_native
+from ..ops import exp_rows
 from ..ops.dwc import native_status as dwc_native_status
 from ..ops.products import native_status as products_native_status
 from ..run.recipes import parse_override
@@ -989,7 +990,7 @@ def _meta(device, repeats: int, warmup: int, quick: bool) -> dict:
             "warmup": warmup, "quick": quick, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "luna_native_kernel": luna_native.status(), "dwc_native_pass": dwc_native_status(),
             "sorting_native_pass": sorting_native.status(), "core_native_products": products_native_status(),
-            "hedgehog_native_softmax": hedgehog_native.status(), "heap": heap_policy()}
+            "exp_rows_native": exp_rows.status(), "heap": heap_policy()}
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)
     if hasattr(os, "getloadavg"):
@@ -1118,7 +1119,8 @@ def _run(output_dir, lengths, methods, dev, layer_repeats, model_repeats, warmup
         f"DWC's native pass (no grad) {results['meta']['dwc_native_pass']}, "
         f"the sorting kernel's native passes {results['meta']['sorting_native_pass']}, "
         f"the core's native products {results['meta']['core_native_products']}, "
-        f"Hedgehog's native softmax pair {results['meta']['hedgehog_native_softmax']}; heap: {results['meta']['heap']}")
+        f"the native exps of rows (Hedgehog, Performer, Flexformer) {results['meta']['exp_rows_native']}; "
+        f"heap: {results['meta']['heap']}")
     results["layers"] = bench_layers(lengths, methods, dev, layer_repeats, warmup, memory=memory,
                                      eager_max_length=eager_max_length or 0, cpu_time=cpu_time, dtype=dtype, log=log)
     if background_load:

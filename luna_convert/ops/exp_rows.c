@@ -1,23 +1,28 @@
-/* Hedgehog's pair of softmaxes in one pass over the rows (the native path of hedgehog_native.py; the
- * reference is hedgehog.py's softmax_pair_features, torch.cat([softmax(z), softmax(-z)], -1)).
+/* Exponentials of rows of float32 values in one pass per row (the native path of ops/exp_rows.py, which has
+ * the PyTorch reference of each function beside it):
  *
- * Plain C99 with GCC/Clang vector extensions, no PyTorch headers, float32, compiled on first use by
- * ops/native.py. Rows are d wide, d a multiple of LANES below (the caller checks it):
+ *     softmax_pair_forward:  y[r] = [e(z - max z) / sum e(z - max z),  e(min z - z) / sum e(min z - z)]
+ *                            for z [rows, d] -> y [rows, 2 d] (Hedgehog's map after its projection)
+ *     softmax_pair_backward: gz[r] = y+ (g+ - g+.y+) - y- (g- - g-.y-)   with y = [y+ | y-], g = [g+ | g-]
+ *     exp_minus_row_max:     x[r] = e(x[r] - max x[r] - offset), in place, rows of any width
+ *     exp_minus_shift:       x[r] = e(x[r] - shift[r / rows_per_shift]), in place, rows of any width
+ *                            (positive random features: a query's stabiliser is its row's max, a key's one
+ *                            value per example and head)
  *
- *     forward:  y[r] = [e(z - max z) / sum e(z - max z),  e(min z - z) / sum e(min z - z)]      [rows, 2 d]
- *     backward: gz[r] = y+ (g+ - g+.y+) - y- (g- - g-.y-)   with y = [y+ | y-], g = [g+ | g-]   [rows, d]
- *
- * e is exp_lanes below: exp of r <= 0 to within a few float32 ulps (torch's own exp is also a vector
- * approximation; the two agree to float32 rounding, not to the bit). Each half's arguments are <= 0 by
- * construction, so no overflow is possible; below -87.3 (where float32's normal range ends) it gives 0, as
- * the softmax's sums make no difference between 0 and a subnormal. A NaN anywhere in a row makes the
- * whole row NaN, as in torch.
+ * Plain C99 with GCC/Clang vector extensions, no PyTorch headers, compiled on first use by ops/native.py.
+ * e is exp_lanes below: exp of r <= 0 to within a few float32 rounding errors (torch's own exp is also a
+ * vector approximation; the two agree to float32 rounding, not to the bit). Every argument is <= 0 by
+ * construction, so no overflow is possible; below -87.3 (where float32's normal range ends) it gives 0,
+ * where torch gives 0 or a subnormal. NaN stays NaN: a NaN anywhere in a row makes the whole row NaN, as in
+ * torch, for the softmax pair and exp_minus_row_max (whose max is NaN then).
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 /* Floats per vector: 16 where AVX-512 is there (the forward ran 1.2x faster than with 8, measured), else 8
-   (AVX's registers, or two SSE2 ones). d must be a multiple of it: hedgehog_softmax_lanes() tells the caller. */
+   (AVX's registers, or two SSE2 ones). The softmax pair's d must be a multiple of it: exp_rows_lanes() tells the
+   caller; the in-place exps take any width. */
 #if defined(__AVX512F__)
 #define LANES 16
 #else
@@ -28,7 +33,7 @@ typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
 typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 
-int32_t hedgehog_softmax_lanes(void) { return LANES; }
+int32_t exp_rows_lanes(void) { return LANES; }
 
 static inline vf load(const float *p) {
     vf v;
@@ -42,6 +47,15 @@ static inline vf splat(float x) { return (vf){0} + x; }
 
 /* a where mask (a comparison's all-ones lanes), else b: C has no vector ?: */
 static inline vf select(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+/* the first `count` (< LANES) floats at p, the other lanes `fill` */
+static inline vf load_partial(const float *p, int64_t count, float fill) {
+    vf v = splat(fill);
+    memcpy(&v, p, (size_t)count * sizeof(float));
+    return v;
+}
+
+static inline void store_partial(float *p, vf v, int64_t count) { memcpy(p, &v, (size_t)count * sizeof(float)); }
 
 static inline float sum_lanes(vf v) {
     float s = v[0];
@@ -74,7 +88,7 @@ static inline vf exp_lanes(vf r) {
 }
 
 /* The rows [r0, r1) of z [rows, d] -> y [rows, 2 d]. */
-void hedgehog_softmax_forward(const float *z, int64_t r0, int64_t r1, int32_t d, float *y) {
+void softmax_pair_forward(const float *z, int64_t r0, int64_t r1, int32_t d, float *y) {
     for (int64_t r = r0; r < r1; ++r) {
         const float *zr = z + r * d;
         float *pos = y + r * 2 * d, *neg = pos + d;
@@ -109,7 +123,7 @@ void hedgehog_softmax_forward(const float *z, int64_t r0, int64_t r1, int32_t d,
 }
 
 /* The rows [r0, r1) of y and its gradient g [rows, 2 d] -> the gradient of z, gz [rows, d]. */
-void hedgehog_softmax_backward(const float *y, const float *g, int64_t r0, int64_t r1, int32_t d, float *gz) {
+void softmax_pair_backward(const float *y, const float *g, int64_t r0, int64_t r1, int32_t d, float *gz) {
     for (int64_t r = r0; r < r1; ++r) {
         const float *yp = y + r * 2 * d, *yn = yp + d, *gp = g + r * 2 * d, *gn = gp + d;
         vf pos_dot = {0}, neg_dot = {0};
@@ -121,4 +135,36 @@ void hedgehog_softmax_backward(const float *y, const float *g, int64_t r0, int64
         for (int32_t c = 0; c < d; c += LANES)
             store(gz + r * d + c, load(yp + c) * (load(gp + c) - pos_mean) - load(yn + c) * (load(gn + c) - neg_mean));
     }
+}
+
+/* max that a NaN wins and keeps, as torch's amax: b where b > a or b is NaN, else a (a NaN a stays) */
+static inline vf max_nan(vf a, vf b) { return select((b > a) | (b != b), b, a); }
+
+static inline float max_nan_scalar(float a, float b) { return (b > a || b != b) ? b : a; }
+
+static inline float row_max(const float *x, int64_t width) {
+    vf high = splat(-INFINITY);
+    int64_t c = 0;
+    for (; c + LANES <= width; c += LANES) high = max_nan(high, load(x + c));
+    if (c < width) high = max_nan(high, load_partial(x + c, width - c, -INFINITY));
+    float max = high[0];
+    for (int k = 1; k < LANES; ++k) max = max_nan_scalar(max, high[k]);
+    return max;
+}
+
+/* x[c] = e(x[c] - shift) for the `width` floats of one row, in place */
+static inline void exp_minus(float *x, int64_t width, float shift) {
+    int64_t c = 0;
+    for (; c + LANES <= width; c += LANES) store(x + c, exp_lanes(load(x + c) - splat(shift)));
+    if (c < width) store_partial(x + c, exp_lanes(load_partial(x + c, width - c, 0.0f) - splat(shift)), width - c);
+}
+
+/* The rows [r0, r1) of x [rows, width], in place. */
+void exp_minus_row_max(float *x, int64_t r0, int64_t r1, int64_t width, float offset) {
+    for (int64_t r = r0; r < r1; ++r) exp_minus(x + r * width, width, row_max(x + r * width, width) + offset);
+}
+
+/* The rows [r0, r1) of x [rows, width], in place; row r takes shift[r / rows_per_shift]. */
+void exp_minus_shift(float *x, int64_t r0, int64_t r1, int64_t width, const float *shift, int64_t rows_per_shift) {
+    for (int64_t r = r0; r < r1; ++r) exp_minus(x + r * width, width, shift[r / rows_per_shift]);
 }

@@ -1,0 +1,123 @@
+"""Exponentials of rows in one pass per row, natively (``exp_rows.c``), with each function's PyTorch reference
+beside it: Hedgehog's pair of softmaxes [softmax(z), softmax(-z)] and its backward, and the stabilised
+exps of positive random features (Performer, Flexformer's positive variant), exp(x - its row's max) and
+exp(x - a given shift), in place.
+
+In PyTorch each of these is three to five calls, each a pass over the rows in memory (for the softmax pair:
+two softmaxes, the negation between them, the cat; for the stabilised exp: the max, the subtraction, the
+exp). Here a row is read once, worked on while it is in cache and written once.
+
+Native where ``applies``: float32 contiguous CPU tensors, eager code, ``ops.native`` built the library; the
+softmax pair also needs its width to be a multiple of ``lanes()`` (8, or 16 with AVX-512). Callers keep
+the reference path for everything else (tests/test_exp_rows.py checks one against the other).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from . import native
+
+SOURCE = Path(__file__).with_name("exp_rows.c")
+# Rows per thread chunk at the least: below that a hand-off costs more than the work.
+MIN_ROWS_PER_CHUNK = 256
+_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+NATIVE_SIGNATURES = {"softmax_pair_forward": [_P, _I64, _I64, _I32, _P],
+               "softmax_pair_backward": [_P, _P, _I64, _I64, _I32, _P],
+               "exp_minus_row_max": [_P, _I64, _I64, _I64, _F],
+               "exp_minus_shift": [_P, _I64, _I64, _I64, _P, _I64]}
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (``ops.native.unavailable_reason(SOURCE)`` says why)."""
+    return native.load_library(SOURCE, NATIVE_SIGNATURES)
+
+
+def status() -> str:
+    """"on", or "off: <why>" (what the bench and ``luna-convert methods --details`` show)."""
+    return native.status(SOURCE, NATIVE_SIGNATURES)
+
+
+def lanes() -> int:
+    """Floats per vector in the built library (8 or 16): the softmax pair's width must be a multiple of it; 0
+    without a library."""
+    lib = library()
+    return 0 if lib is None else lib.exp_rows_lanes()
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """Whether the native code takes these: float32 contiguous CPU tensors, eager code, the library built."""
+    return (not torch.compiler.is_compiling()
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+            and library() is not None)
+
+
+def _over_rows(call, rows: int) -> None:
+    native.run_in_chunks(lambda r0, r1, _: call(r0, r1), rows, native.chunk_count(rows, MIN_ROWS_PER_CHUNK))
+
+
+def softmax_pair(z: torch.Tensor) -> torch.Tensor:
+    """[softmax(z), softmax(-z)] over the last axis of z [..., d]: [..., 2 d]; native where ``applies(z)`` and d
+    is a multiple of ``lanes()``."""
+    d = z.shape[-1]
+    if not (applies(z) and d % lanes() == 0):
+        return softmax_pair_reference(z)
+    out = torch.empty(*z.shape[:-1], 2 * d, dtype=torch.float32)  # not the default dtype: C writes floats
+    lib = library()
+    _over_rows(lambda r0, r1: lib.softmax_pair_forward(z.data_ptr(), r0, r1, d, out.data_ptr()), z.numel() // d)
+    return out
+
+
+def softmax_pair_reference(z: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.softmax(z, -1), torch.softmax(-z, -1)], -1)
+
+
+def softmax_pair_backward(features: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """z's gradient from y = softmax_pair(z) [..., 2 d] and y's gradient: y+ (g+ - g+.y+) - y- (g- - g-.y-)."""
+    d = features.shape[-1] // 2
+    grad = grad.contiguous()
+    if not (applies(features, grad) and d % lanes() == 0):
+        return softmax_pair_backward_reference(features, grad)
+    grad_z = torch.empty(*features.shape[:-1], d, dtype=torch.float32)
+    lib = library()
+    _over_rows(lambda r0, r1: lib.softmax_pair_backward(features.data_ptr(), grad.data_ptr(), r0, r1, d,
+                                                        grad_z.data_ptr()), grad_z.numel() // d)
+    return grad_z
+
+
+def softmax_pair_backward_reference(features: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    (pos, neg), (grad_pos, grad_neg) = features.chunk(2, -1), grad.chunk(2, -1)
+    return (pos * (grad_pos - (grad_pos * pos).sum(-1, keepdim=True))
+            - neg * (grad_neg - (grad_neg * neg).sum(-1, keepdim=True)))
+
+
+def exp_minus_row_max_(x: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
+    """x = exp(x - max over x's last axis - offset), in place; returns x."""
+    if not applies(x):
+        return exp_minus_row_max_reference_(x, offset)
+    width, lib = x.shape[-1], library()
+    _over_rows(lambda r0, r1: lib.exp_minus_row_max(x.data_ptr(), r0, r1, width, offset), x.numel() // max(width, 1))
+    return x
+
+
+def exp_minus_row_max_reference_(x: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
+    return x.sub_(x.amax(-1, keepdim=True).add_(offset)).exp_()
+
+
+def exp_minus_shift_(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """x = exp(x - shift), in place, for x [G, R, W] and one shift per group, [G] (any shape of G elements);
+    returns x."""
+    shift = shift.reshape(-1)
+    if not (x.dim() == 3 and applies(x, shift) and shift.numel() == x.shape[0]):
+        return exp_minus_shift_reference_(x, shift)
+    groups, rows, width = x.shape
+    lib = library()
+    _over_rows(lambda r0, r1: lib.exp_minus_shift(x.data_ptr(), r0, r1, width, shift.data_ptr(), rows), groups * rows)
+    return x
+
+
+def exp_minus_shift_reference_(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    return x.sub_(shift.reshape(-1, 1, 1)).exp_()
