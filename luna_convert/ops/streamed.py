@@ -16,8 +16,10 @@ from typing import Callable
 
 import torch
 
+from . import products
 from .context import AttentionContext
 from .dtypes import accumulation_dtype
+from .linear import divide_by_last_column
 from .reference import EPS
 
 
@@ -98,22 +100,20 @@ class _StreamedLinearAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, key_mask, eps, chunk, phi_q, phi_k, q_context, k_context, *params):
         n, compute = v.shape[2], accumulation_dtype(q, k, v)
         keep = None if key_mask is None else key_mask[:, None, :, None]
-        kv = z = None
+        kvz = None  # [S | z], [B, H, D, d + 1]: S = sum pk^T v, z = sum pk (pads' pk are zero)
         for c in _token_chunks(n, chunk):
             pk = _chunk_features(phi_k, k, c, compute, keep, k_context)
-            part = torch.matmul(pk.transpose(-1, -2), v[:, :, c].to(compute))  # [B, H, D, d]
-            kv = part if kv is None else kv.add_(part)
-            z = pk.sum(-2) if z is None else z.add_(pk.sum(-2))  # [B, H, D]
+            part = products.transposed_product(pk, v[:, :, c].to(compute), with_sum=True)
+            kvz = part if kvz is None else kvz.add_(part)
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         for c in _token_chunks(n, chunk):
             pq = _chunk_features(phi_q, q, c, compute, context=q_context)
-            r = torch.matmul(pq, z[..., None]).add_(eps).reciprocal_()
-            out[:, :, c] = torch.matmul(pq, kv).mul_(r)
+            out[:, :, c] = divide_by_last_column(products.product(pq, kvz), eps)  # pq S / (pq z + eps)
         device_type = v.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         ctx.eps, ctx.chunk, ctx.phi_q, ctx.phi_k, ctx.compute = eps, chunk, phi_q, phi_k, compute
         ctx.contexts = (q_context, k_context)
-        ctx.save_for_backward(q, k, v, key_mask, kv, z, *params)
+        ctx.save_for_backward(q, k, v, key_mask, kvz, *params)
         return out
 
     @staticmethod
@@ -128,7 +128,7 @@ class _StreamedLinearAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_out, scope: RecomputeScope):
-        q, k, v, key_mask, kv, z, *params = ctx.saved_tensors
+        q, k, v, key_mask, kvz, *params = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         need_params = ctx.needs_input_grad[10:]
         wanted = [p for p, need in zip(params, need_params) if need]
@@ -138,7 +138,10 @@ class _StreamedLinearAttention(torch.autograd.Function):
         grad_q = torch.empty_like(q) if need_q else None
         grad_k = torch.empty_like(k) if need_k else None
         grad_v = torch.empty_like(v) if need_v else None
-        d_kv, d_z = torch.zeros_like(kv), torch.zeros_like(z)
+        d = v.shape[-1]
+        # S^T [B, H, d, D] and z^T [B, H, 1, D], contiguous once for the products of every chunk
+        kv_t, z_t = (t.contiguous() for t in kvz.transpose(-1, -2).split([d, 1], -2))
+        d_kvz = torch.zeros_like(kvz)  # [d S | d z]
         keep = None if key_mask is None else key_mask[:, None, :, None]
         device_type, autocast_on, autocast_dtype = ctx.autocast
         q_context, k_context = ctx.contexts
@@ -175,22 +178,24 @@ class _StreamedLinearAttention(torch.autograd.Function):
             qc, pq = features(ctx.phi_q, q, need_q, c, context=q_context)
             with torch.no_grad():
                 pq_ = pq.detach()
-                r = torch.matmul(pq_, z[..., None]).add_(ctx.eps).reciprocal_()
-                o = torch.matmul(pq_, kv).mul_(r)
+                num, den = products.product(pq_, kvz).split([d, 1], -1)
+                r = den.add_(ctx.eps).reciprocal_()
+                o = num * r
                 g = grad_out[:, :, c].to(ctx.compute)
                 g_num = g * r  # d loss / d (pq kv)
                 g_den = torch.linalg.vecdot(g, o)[..., None].mul_(r).neg_()  # d loss / d (pq z)
-                d_kv.add_(torch.matmul(pq_.transpose(-1, -2), g_num))
-                d_z.add_((pq_ * g_den).sum(-2))
-                grad_pq = torch.matmul(g_num, kv.transpose(-1, -2)).add_(g_den * z[:, :, None, :])
+                d_kvz.add_(products.transposed_product(pq_, torch.cat([g_num, g_den], -1)))
+                grad_pq = products.product(g_num, kv_t).addcmul_(g_den, z_t)
             pull(pq, qc, need_q, grad_pq, grad_q, c)
         # Keys and values: kv = sum pk^T v, z = sum pk.
+        d_kv = d_kvz[..., :d].contiguous()
+        d_kvz_t = d_kvz.transpose(-1, -2).contiguous()  # [d S^T ; d z^T], [B, H, d + 1, D]
         for c in _token_chunks(n, ctx.chunk):
             kc, pk = features(ctx.phi_k, k, need_k, c, masked=True, context=k_context)
             with torch.no_grad():
                 if need_v:
-                    grad_v[:, :, c] = torch.matmul(pk.detach(), d_kv)
-                grad_pk = torch.matmul(v[:, :, c].to(ctx.compute), d_kv.transpose(-1, -2)).add_(d_z[:, :, None, :])
+                    grad_v[:, :, c] = products.product(pk.detach(), d_kv)
+                grad_pk = products.product(v[:, :, c].to(ctx.compute), d_kvz_t[..., :d, :], bias=d_kvz_t[..., d:, :])
             pull(pk, kc, need_k, grad_pk, grad_k, c)
         for acc, g in zip(param_grads, scope.pullback(leaf_grads, wanted)):
             if g is not None:
