@@ -36,7 +36,10 @@ class _HedgehogFeatures(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         b, h, _, d = x.shape
-        z = products.product(x, weight.transpose(1, 2).expand(b, h, d, d), bias.expand(b, h, 1, d))
+        # W^T made contiguous once, then expanded over the batch (read in place, stride 0): expanding the
+        # transposed view would have the product copy it for every example
+        weight_t = weight.transpose(1, 2).contiguous().expand(b, h, d, d)
+        z = products.product(x, weight_t, bias.expand(b, h, 1, d))
         features = exp_rows.softmax_pair(z)
         ctx.save_for_backward(x, weight, features)
         return features
