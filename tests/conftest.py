@@ -228,11 +228,22 @@ def pytest_configure(config):
         config.pluginmanager.register(SkipGuard(), "luna-skip-guard")
 
 
-def avx2_build(source: Path, signatures: dict):
-    """``source`` built for AVX2 with FMA (what a CPU without AVX-512 runs), loaded apart from the library the
-    package uses (``ops.native.build_variant``); the test is skipped where this CPU cannot run it."""
+NATIVE_BUILDS = ["this CPU", "AVX2"]
+
+
+def this_cpu_or_avx2(build: str, monkeypatch, module, loader: str, status, source: Path, signatures: dict,
+                     lanes: str):
+    """A native library for tests of both vector widths. ``build`` "this CPU": what ``module.<loader>()`` hands
+    out (the test is skipped, saying ``status()``, where there is none). "AVX2": ``source`` built for AVX2 with
+    FMA (what a CPU without AVX-512 runs; ``ops.native.build_variant``), its ``lanes()`` checked to be 8, and
+    put in place of ``module.<loader>`` for the test; skipped where this CPU cannot run it."""
     from luna_convert.ops import native
 
+    if build == "this CPU":
+        lib = getattr(module, loader)()
+        if lib is None:
+            pytest.skip(status())
+        return lib
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -242,19 +253,16 @@ def avx2_build(source: Path, signatures: dict):
         pytest.skip("the AVX2 build needs an x86 CPU with AVX2 and FMA")
     if native.compiler() is None:
         pytest.skip("no C compiler")
-    return native.build_variant(source, ("-mavx2", "-mfma"), signatures)
+    lib = native.build_variant(source, ("-mavx2", "-mfma"), signatures)
+    assert getattr(lib, lanes)() == 8
+    monkeypatch.setattr(module, loader, lambda: lib)
+    return lib
 
 
-@pytest.fixture(params=["this CPU", "AVX2"])
+@pytest.fixture(params=NATIVE_BUILDS)
 def exp_rows_library(request, monkeypatch):
     """``ops.exp_rows``' library: the build for this CPU, then the AVX2 build (8 lanes) in its place."""
     from luna_convert.ops import exp_rows
 
-    if request.param == "this CPU":
-        if exp_rows.library() is None:
-            pytest.skip(exp_rows.status())
-        return exp_rows.library()
-    lib = avx2_build(exp_rows.SOURCE, exp_rows.NATIVE_SIGNATURES)
-    assert lib.exp_rows_lanes() == 8
-    monkeypatch.setattr(exp_rows, "library", lambda: lib)
-    return lib
+    return this_cpu_or_avx2(request.param, monkeypatch, exp_rows, "library", exp_rows.status, exp_rows.SOURCE,
+                            exp_rows.NATIVE_SIGNATURES, "exp_rows_lanes")

@@ -13,21 +13,15 @@ import platform
 
 import pytest
 import torch
-from conftest import avx2_build
+from conftest import NATIVE_BUILDS, this_cpu_or_avx2
 
 from luna_convert.ops import linear, native, products
 
 
-@pytest.fixture(params=["this CPU", "AVX2"])
+@pytest.fixture(params=NATIVE_BUILDS)
 def library(request, monkeypatch):
-    if request.param == "this CPU":
-        if products.native_library() is None:
-            pytest.skip(products.native_status())
-        return products.native_library()
-    lib = avx2_build(products.NATIVE_SOURCE, products.NATIVE_SIGNATURES)
-    assert lib.product_lanes() == 8
-    monkeypatch.setattr(products, "native_library", lambda: lib)
-    return lib
+    return this_cpu_or_avx2(request.param, monkeypatch, products, "native_library", products.native_status,
+                            products.NATIVE_SOURCE, products.NATIVE_SIGNATURES, "product_lanes")
 
 
 def reference_transposed(x, y, with_sum):

@@ -26,9 +26,9 @@ SOURCE = Path(__file__).with_name("exp_rows.c")
 MIN_ROWS_PER_CHUNK = 256
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 NATIVE_SIGNATURES = {"softmax_pair_forward": [_P, _I64, _I64, _I32, _P],
-               "softmax_pair_backward": [_P, _P, _I64, _I64, _I32, _P],
-               "exp_minus_row_max": [_P, _I64, _I64, _I64, _F],
-               "exp_minus_shift": [_P, _I64, _I64, _I64, _P, _I64]}
+                     "softmax_pair_backward": [_P, _P, _I64, _I64, _I32, _P],
+                     "exp_minus_row_max": [_P, _I64, _I64, _I64, _F],
+                     "exp_minus_shift": [_P, _I64, _I64, _I64, _P, _I64]}
 
 
 def library() -> ctypes.CDLL | None:
