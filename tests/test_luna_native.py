@@ -210,9 +210,9 @@ def test_the_paper_layer_projects_inside_the_pass_at_inference(kernel, monkeypat
     q, k, v = (split_heads(2, 40, 3, 16, seed) for seed in range(3))
     key_mask = torch.ones(2, 40, dtype=torch.bool)
     key_mask[1, -7:] = False
-    calls, spy = [], luna_kernel.native_projected_channel_features
-    monkeypatch.setattr(luna_kernel, "native_projected_channel_features",
-                        lambda *a, **kw: calls.append(1) or spy(*a, **kw))
+    # the layer's features are made inside the core's products (tests/test_produced_rows.py), projected there
+    calls, spy = [], luna_kernel.native_feature_rows
+    monkeypatch.setattr(luna_kernel, "native_feature_rows", lambda *a, **kw: calls.append(a[1] is not None) or spy(*a, **kw))
     outs, counts = [], []
     for setting in ("1", "0"):
         monkeypatch.setenv(native.DISABLE_VARIABLE, setting)
@@ -222,7 +222,7 @@ def test_the_paper_layer_projects_inside_the_pass_at_inference(kernel, monkeypat
             with AtenOpCounter() as ops:
                 layer(q, k, v, key_mask=key_mask)
         counts.append(ops.total)
-    assert len(calls) == 4  # queries and keys, twice, with the native path on; none with it off
+    assert calls == [True] * 4  # queries and keys with W, twice, with the native path on; none with it off
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     assert counts[0] <= counts[1] - 60, counts  # measured 30 and 110
 

@@ -15,7 +15,8 @@ from ..linear_methods.base import FEATURE_MAP_KIND, AttentionOptions
 from ..linear_methods.registry import get_method
 from ..ops.context import AttentionContext
 from ..ops.dwc import depthwise_conv_tokens_plus
-from ..ops.linear import linear_attention, linear_attention_unnormalised
+from ..ops.linear import (divide_by_last_column, linear_attention, linear_attention_unnormalised,
+                          produced_attention_unnormalised)
 from ..ops.reference import (attention_distillation_loss, linear_attention_weights, output_distillation_loss,
                              softmax_attention, softmax_attention_weights, windowed_linear_attention_weights)
 from ..ops.streamed import streamed_linear_attention
@@ -195,10 +196,12 @@ class LinearAttention(nn.Module):
             student = self.attention_weights(q, k, key_mask, context)
             self.distill_loss = attention_distillation_loss(teacher.detach(), student, key_mask, self.eps)
             return torch.einsum("bhnm,bhmd->bhnd", teacher, v.to(teacher.dtype)).to(v.dtype)
-        if self.dwc is not None:
-            sums = self.undivided_output(q, k, v, key_mask, context)
-            if sums is not None:  # the division done in DWC's pass, as it adds: no [B, H, N, d] pass of its own
-                return self.dwc(v, key_mask, grid, num_prefix, plus=sums, divide=(self.eps, self.clamp_denominator))
+        sums = self.undivided_output(q, k, v, key_mask, context, produced_only=self.dwc is None)
+        if sums is not None:
+            if self.dwc is None:
+                return divide_by_last_column(sums, self.eps, self.clamp_denominator)
+            # the division done in DWC's pass, as it adds: no [B, H, N, d] pass of its own
+            return self.dwc(v, key_mask, grid, num_prefix, plus=sums, divide=(self.eps, self.clamp_denominator))
         out = self.linear_output(q, k, v, key_mask, context)
         if self.dwc is not None:
             # Summed into the branch's fresh output (nothing saves it): one [B, H, N, d] buffer fewer.
@@ -209,15 +212,32 @@ class LinearAttention(nn.Module):
         """Whether this call records a gradient (for ``inputs`` or the method's parameters)."""
         return torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *self.method_parameters()))
 
-    def undivided_output(self, q, k, v, key_mask, context: AttentionContext) -> torch.Tensor | None:
+    def undivided_output(self, q, k, v, key_mask, context: AttentionContext,
+                         produced_only: bool = False) -> torch.Tensor | None:
         """[phi(q) S | phi(q) z] (``ops.linear.linear_attention_unnormalised``) where dividing it later gives
-        ``linear_output``'s values to the bit: a feature map over the whole sequence at once (no window, not
-        streamed), float32 on the CPU, no gradients, no autocast; else None."""
+        ``linear_output``'s values to the bit: a feature map over the whole sequence at once (no window),
+        float32 on the CPU, no gradients, no autocast; else None. Where the maps offer ``feature_rows`` the
+        features are made inside the products and never stored (at any N: nothing to stream); otherwise (not
+        when ``produced_only``) they are stored, and None where they would be streamed."""
         if (self.kernel is not None or self.window or v.dtype != torch.float32 or v.device.type != "cpu"
-                or torch.is_autocast_enabled("cpu") or self.needs_grad(q, k, v)
-                or self.stream_chunk(v.shape[0], v.shape[2], training=False) is not None):
+                or torch.is_autocast_enabled("cpu") or self.needs_grad(q, k, v)):
+            return None
+        rows = self.feature_rows(q, k)
+        if rows is not None:
+            return produced_attention_unnormalised(*rows, v, key_mask)
+        if produced_only or self.stream_chunk(v.shape[0], v.shape[2], training=False) is not None:
             return None
         return linear_attention_unnormalised(*self.features(q, k, context), v, key_mask)
+
+    def feature_rows(self, q: torch.Tensor, k: torch.Tensor):
+        """(queries', keys') ``FeatureMap.feature_rows``, or None unless a context-free map offers both."""
+        if not self.phi_q.context_free:
+            return None
+        if self.phi_k is None:  # one call: one look-up of a shared map's tables
+            return self.phi_q.feature_rows(self.query_input(q), k)
+        q_rows = self.phi_q.feature_rows(self.query_input(q))
+        k_rows = None if q_rows is None else self.phi_k.feature_rows(k)
+        return None if k_rows is None else (*q_rows, *k_rows)
 
     def linear_output(self, q, k, v, key_mask, context: AttentionContext) -> torch.Tensor:
         """The method's attention alone (no DWC branch): [B, H, N, d]."""

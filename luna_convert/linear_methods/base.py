@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..ops.context import AttentionContext
+from ..ops.products import ProducedRows
 
 FEATURE_MAP_KIND = "feature map"
 KERNEL_KIND = "kernel"
@@ -174,6 +175,11 @@ class FeatureMap(MethodCore, abc.ABC):
         """The features of each of ``xs`` (a context-free map's queries and keys); a map that derives
         something from its parameters first (LUNA's channel tables) does that once for all."""
         return tuple(self(x) for x in xs)
+
+    def feature_rows(self, *xs: torch.Tensor) -> tuple[ProducedRows, ...] | None:
+        """The features of each of ``xs`` as ``ops.products.ProducedRows`` (made inside the core's native
+        products, never stored), or None: the layer then stores them. Only a context-free map offers them."""
+        return None
 
 
 class KernelAttention(MethodCore, abc.ABC):

@@ -63,11 +63,12 @@ from typing import Callable
 
 import torch
 
+from ..ops import products
 from ..ops.dtypes import accumulation_dtype
 from ..ops.normalize import sum_normalize
 from ..ops.streamed import current_recompute_scope
 from . import luna_native
-from .luna_native import native_projected_channel_features, native_cells, native_channel_features
+from .luna_native import native_projected_channel_features, native_cells, native_channel_features, native_feature_rows
 
 # Grid locator: at most this many knots may share a cell (else a finer grid, then searchsorted).
 MAX_KNOTS_PER_CELL = 4
@@ -415,6 +416,31 @@ def channel_features_of(psi, *us: torch.Tensor, scale: float = 1.0,
                              for u in us)
     feats = scalar_channels_of(psi, *us, scale=scale)
     return feats if norm_eps is None else tuple(sum_normalize(f, -2, norm_eps) for f in feats)
+
+
+def feature_rows_apply(psi, projections: int, *tensors: torch.Tensor) -> bool:
+    """Whether ``channel_feature_rows`` takes these now (x, and the projection's weight and bias if any): float32
+    CPU tensors, no gradient recorded (for them or ``psi``), no autocast, not compiling, and both native
+    libraries (the channel pass for M = ``projections``, and ``ops.products``)."""
+    device = tensors[0].device
+    return (native_kernel_applies(projections, psi.channels, torch.float32, device)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *psi.parameters())))
+            and all(t.dtype == torch.float32 for t in tensors) and not torch.is_autocast_enabled(device.type)
+            and products.native_library() is not None)
+
+
+def channel_feature_rows(psi, *xs: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                         scale: float = 1.0, norm_eps: float | None = None) -> tuple[products.ProducedRows, ...] | None:
+    """``channel_features_of(psi, u)`` of each of ``xs``, u = x W^T + b (``weight`` [M, d] and ``bias`` [M] given)
+    or u = x [B, H, N, M], flattened to [B, H, N, M L], as ``ops.products.ProducedRows``: the features made in
+    blocks inside the core's products and never stored; one set of tables for all. Where
+    ``feature_rows_apply`` holds; None when the knots are too crowded for the native grid."""
+    (slope, intercept), (_, locate) = _prepared(psi, torch.float32, float(scale), xs[0].device, native=True)
+    if locate.grid is None:
+        return None
+    weight_t = None if weight is None else weight.t().contiguous()
+    bias = None if bias is None else bias.contiguous()
+    return tuple(native_feature_rows(x, weight_t, bias, slope, intercept, locate.grid, norm_eps) for x in xs)
 
 
 def projected_channel_features_of(psi, weight: torch.Tensor, bias: torch.Tensor, *xs: torch.Tensor, scale: float = 1.0,

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..ops import native
+from ..ops.products import ProducedRows
 
 SOURCE = Path(__file__).with_name("luna_channels.c")
 # The limits of luna_channels.c: channels L, scalars located per pass (so projections M), features per row.
@@ -39,6 +40,8 @@ _SIGNATURES = {
     # x, heads, tokens, its strides (batch, head, token), d, W^T, b, then luna_channels_forward's arguments
     "luna_channels_forward_projected": [_P, _I64, _I64, _I64, _I64, _I64, _I32, _P, _P,
                                         _I64, _I64, _I32, _I32, *_GRID, _P, _P, _F, _P],
+    # state, then x's layout as above, W^T and b (NULL: x is u), M, L, the grid, the tables, eps
+    "luna_rows_state": [_P, _P, _I64, _I64, _I64, _I64, _I64, _I32, _P, _P, _I32, _I32, *_GRID, _P, _P, _F],
 }
 
 
@@ -131,3 +134,27 @@ def native_projected_channel_features(x: torch.Tensor, weight_t: torch.Tensor, b
     native.run_in_chunks(lambda r0, r1, _: lib.luna_channels_forward_projected(*layout, r0, r1, *head, out.data_ptr()),
                          rows, native.chunk_count(rows, MIN_ROWS_PER_CHUNK))
     return out
+
+
+def native_feature_rows(x: torch.Tensor, weight_t: torch.Tensor | None, bias: torch.Tensor | None, slope: torch.Tensor,
+                        intercept: torch.Tensor, grid: tuple, norm_eps: float | None) -> ProducedRows:
+    """The features that ``native_projected_channel_features(x, weight_t, bias, ...)`` (or, ``weight_t`` None,
+    ``native_channel_features(x, ...)`` of a u [B, H, N, M]) returns, as ``ops.products.ProducedRows``: made a
+    block of tokens at a time inside the core's native products, the same values to the bit, never stored.
+    float32 inputs on the CPU; no gradients."""
+    lib = library()
+    b, h, n, d = x.shape
+    if weight_t is None:
+        x = x.contiguous()  # the kernel reads u as [B H N, M]
+        projections, layout = d, [x.data_ptr(), h, n, 0, 0, 0, d, None, None]
+    else:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        projections = weight_t.shape[1]
+        layout = [x.data_ptr(), h, n, x.stride(0), x.stride(1), x.stride(2), d, weight_t.data_ptr(), bias.data_ptr()]
+    slope, intercept = slope.contiguous(), intercept.contiguous()
+    head = _shared_args(projections, slope, intercept, grid, -1.0 if norm_eps is None else float(norm_eps))
+    state = ctypes.create_string_buffer(lib.luna_rows_state_size())
+    lib.luna_rows_state(state, *layout, *head)
+    return ProducedRows(ctypes.cast(lib.luna_rows, ctypes.c_void_p).value, state,
+                        (b, h, n, projections * slope.shape[1]), (x, weight_t, bias, slope, intercept, *grid))

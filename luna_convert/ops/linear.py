@@ -20,12 +20,16 @@ def _sums_and_products(phi_q, phi_k, v, keep):
     expanded tensor is a view): the products of ``_LinearAttentionCore`` below, whose docstring says why
     they are these. The values are v as given without a key mask, else [m v | m]."""
     lead = torch.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
-    if keep is not None:
-        v = torch.nn.functional.pad(v, (0, 1), value=1.0).mul_(keep)  # [m v | m]: a fresh contiguous tensor
+    v = _values_kept(v, keep)
     phi_q, phi_k, v = (t if t.shape[:-2] == lead else t.expand(*lead, *t.shape[-2:]) for t in (phi_q, phi_k, v))
     # [S | z]   [..., D, d + 1]; without a mask z as a sum: a 65th column of ones would cost a copy of v
     kvz = products.transposed_product(phi_k, v, with_sum=keep is None)
     return phi_q, phi_k, v, kvz, products.product(phi_q, kvz)  # the last [..., N, d + 1]
+
+
+def _values_kept(v: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """The values as the core takes them: v without a key mask, else [m v | m] (a fresh contiguous tensor)."""
+    return v if keep is None else torch.nn.functional.pad(v, (0, 1), value=1.0).mul_(keep)
 
 
 def _keys_kept(key_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -138,6 +142,17 @@ def linear_attention_unnormalised(phi_q: torch.Tensor, phi_k: torch.Tensor, v: t
     compute = accumulation_dtype(phi_q, phi_k, v)
     with torch.no_grad(), torch.autocast(device_type=v.device.type, enabled=False):
         return _sums_and_products(phi_q.to(compute), phi_k.to(compute), v.to(compute), _keys_kept(key_mask))[-1]
+
+
+def produced_attention_unnormalised(query_rows: products.ProducedRows, key_rows: products.ProducedRows,
+                                    v: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear_attention_unnormalised`` of features that the native products make block by block
+    (``products.ProducedRows``), so that neither phi_q nor phi_k is ever in memory: float32 v [B, H, N, d] on
+    the CPU, no gradients. The same sums as from stored features, to float32 rounding (each block's features
+    are the stored ones to the bit; the products sum in their own order)."""
+    keep = _keys_kept(key_mask)
+    kvz = products.produced_transposed_product(key_rows, _values_kept(v, keep), with_sum=keep is None)
+    return products.produced_product(query_rows, kvz)
 
 
 def divide_by_last_column(num_den: torch.Tensor, eps: float = EPS, clamp: bool = False) -> torch.Tensor:

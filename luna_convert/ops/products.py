@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +30,9 @@ _LAYOUT = ctypes.c_int64 * 3  # an operand's strides in floats: outer batch axis
 NATIVE_SIGNATURES = {
     "transposed_product": [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I32, _LAYOUT, _LAYOUT, _LAYOUT],
     "product": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _LAYOUT, _LAYOUT, _LAYOUT, _LAYOUT],
+    # the same with x made by a function instead of read (ProducedRows): function, state, then as above less x's
+    "produced_transposed_product": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I32, _LAYOUT, _LAYOUT],
+    "produced_product": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _LAYOUT, _LAYOUT],
 }
 # Multiply-adds per thread chunk at the least: below that a hand-off costs more than the work.
 NATIVE_MIN_CHUNK = 1 << 18
@@ -122,5 +126,64 @@ def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) 
     bias_pointer = 0 if bias is None else bias.data_ptr()
     _run(lambda b0, b1: lib.product(x.data_ptr(), w.data_ptr(), bias_pointer, out.data_ptr(), b0, b1, inner, n, depth,
                                     columns, *layouts),
+         math.prod(lead), n * depth * columns)
+    return out
+
+
+@dataclass(frozen=True)
+class ProducedRows:
+    """An operand x [B, H, N, D] (or [H, N, D]) that the native products make a block of tokens at a time, in
+    cache, instead of reading it from memory: LUNA's features, which then never go to memory at all.
+
+    ``function`` is the address of a C function ``void f(const void *state, int64_t b, int64_t t0, int64_t
+    tn, float *out)`` that writes the rows [t0, t0 + tn) of batch entry b (b = batch index x H + head) to out
+    as a contiguous [tn, D], for any b and block; ``state`` (a ctypes object) is its first argument, and
+    ``keep`` holds the tensors that state points into, alive as long as this is."""
+
+    function: int
+    state: object
+    shape: tuple[int, ...]
+    keep: tuple = ()
+
+
+def _check_produced(rows: ProducedRows, other: torch.Tensor, what: str) -> None:
+    """The checks ``_native_applies`` makes for a read operand, for the one that goes with a ProducedRows."""
+    if native_library() is None:
+        raise RuntimeError(f"produced rows need the native products ({native_status()})")
+    lead = tuple(rows.shape[:-2])
+    if len(rows.shape) not in (3, 4) or tuple(other.shape[:-2]) != lead or other.dtype != torch.float32 \
+            or other.device.type != "cpu" or other.stride(-1) != 1:
+        raise ValueError(f"{what} must be float32 on the CPU, [{', '.join(map(str, lead))}, ...] with unit "
+                         f"column stride, for rows {tuple(rows.shape)}; got {other.dtype} {tuple(other.shape)}")
+
+
+def produced_transposed_product(rows: ProducedRows, y: torch.Tensor, with_sum: bool = False) -> torch.Tensor:
+    """``transposed_product(x, y, with_sum)`` for the x that ``rows`` makes (native code only, no gradients)."""
+    _check_produced(rows, y, "y")
+    *lead, n, depth = rows.shape
+    if y.shape[-2] != n:
+        raise ValueError(f"y has {y.shape[-2]} tokens, the rows {n}")
+    columns, inner = y.shape[-1], rows.shape[-3]
+    out = torch.empty(*lead, depth, columns + with_sum, dtype=torch.float32)
+    lib, layouts = native_library(), (_layout(y), _layout(out))
+    _run(lambda b0, b1: lib.produced_transposed_product(rows.function, ctypes.addressof(rows.state), y.data_ptr(),
+                                                        out.data_ptr(), b0, b1, inner, n, depth, columns,
+                                                        int(with_sum), *layouts),
+         math.prod(lead), n * depth * columns)
+    return out
+
+
+def produced_product(rows: ProducedRows, w: torch.Tensor) -> torch.Tensor:
+    """``product(x, w)`` for the x that ``rows`` makes (native code only, no gradients)."""
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    _check_produced(rows, w, "w")
+    *lead, n, depth = rows.shape
+    if w.shape[-2] != depth:
+        raise ValueError(f"w has {w.shape[-2]} rows, the produced rows {depth} columns")
+    columns, inner = w.shape[-1], rows.shape[-3]
+    out = torch.empty(*lead, n, columns, dtype=torch.float32)
+    lib, layouts = native_library(), (_layout(w), _layout(out))
+    _run(lambda b0, b1: lib.produced_product(rows.function, ctypes.addressof(rows.state), w.data_ptr(), out.data_ptr(),
+                                             b0, b1, inner, n, depth, columns, *layouts),
          math.prod(lead), n * depth * columns)
     return out

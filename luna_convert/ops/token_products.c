@@ -156,73 +156,118 @@ static inline int64_t entry(const int64_t *s, int64_t b, int64_t inner) { return
 
 #endif /* LANES */
 
-void transposed_product(const float *x, const float *y, float *c, int64_t b0, int64_t b1, int64_t inner, int64_t n,
-                        int64_t depth, int64_t columns, int32_t with_sum, const int64_t *sx, const int64_t *sy,
-                        const int64_t *sc) {
+/* Rows [t0, t0 + tn) of batch entry b of an operand x [n, depth] that is made block by block instead of read
+ * from memory (LUNA's features from its projected queries or keys), written to out [tn, depth]. */
+typedef void (*produce_rows)(const void *state, int64_t b, int64_t t0, int64_t tn, float *out);
+
+/* transposed_product, its x read from memory (produce NULL) or made TOKEN_BLOCK tokens at a time into a
+ * buffer that stays in cache while every tile of c passes over it (x NULL). */
+static void transposed_product_of(const float *x, produce_rows produce, const void *state, const float *y, float *c,
+                                  int64_t b0, int64_t b1, int64_t inner, int64_t n, int64_t depth, int64_t columns,
+                                  int32_t with_sum, const int64_t *sx, const int64_t *sy, const int64_t *sc) {
 #if LANES
     const int64_t full = columns / LANES, rest = columns - full * LANES, extra = rest + (with_sum ? 1 : 0);
-    const int64_t ldx = sx[2], ldy = sy[2], ldc = sc[2];
+    const int64_t ldx = produce ? depth : sx[2], ldy = sy[2], ldc = sc[2];
     float *sums = extra ? malloc(sizeof(float) * extra * depth) : 0; /* the columns past the vectors, by row */
-    if (extra && !sums) abort(); /* a few KB: without them the result would be wrong */
+    float *made = produce ? malloc(sizeof(float) * TOKEN_BLOCK * depth) : 0;
+    if ((extra && !sums) || (produce && !made)) abort(); /* without them the result would be wrong */
     for (int64_t b = b0; b < b1; ++b) {
-        const float *xb = x + entry(sx, b, inner), *yb = y + entry(sy, b, inner);
+        const float *xb = produce ? 0 : x + entry(sx, b, inner), *yb = y + entry(sy, b, inner);
         float *cb = c + entry(sc, b, inner);
         for (int64_t i = 0; i < depth; ++i) memset(cb + i * ldc, 0, sizeof(float) * full * LANES);
         if (extra) memset(sums, 0, sizeof(float) * extra * depth);
         for (int64_t t0 = 0; t0 < n; t0 += TOKEN_BLOCK) {
             const int64_t tn = n - t0 < TOKEN_BLOCK ? n - t0 : TOKEN_BLOCK;
+            if (produce) produce(state, b, t0, tn, made);
+            const float *xt = produce ? made : xb + t0 * ldx; /* the block's first row */
             for (int64_t i0 = 0; i0 < depth; i0 += TILE_ROWS) {
                 const int rows = depth - i0 < TILE_ROWS ? (int)(depth - i0) : TILE_ROWS;
                 for (int64_t v0 = 0; v0 < full; v0 += TILE_VECS) {
                     const int vecs = full - v0 < TILE_VECS ? (int)(full - v0) : TILE_VECS;
                     float *ct = cb + i0 * ldc + v0 * LANES; /* accumulates over the token blocks */
-                    tile_any(xb + t0 * ldx + i0, ldx, 1, yb + t0 * ldy + v0 * LANES, ldy, ct, ldc, ct, ldc, tn, rows,
-                             vecs);
+                    tile_any(xt + i0, ldx, 1, yb + t0 * ldy + v0 * LANES, ldy, ct, ldc, ct, ldc, tn, rows, vecs);
                 }
             }
-            for (int64_t t = t0; t < t0 + tn; ++t) {
-                for (int64_t j = 0; j < rest; ++j) scaled_add(sums + j * depth, xb + t * ldx, yb[t * ldy + full * LANES + j], depth);
-                if (with_sum) scaled_add(sums + rest * depth, xb + t * ldx, 1.0f, depth);
+            for (int64_t t = 0; t < tn; ++t) {
+                const float *xr = xt + t * ldx, *yr = yb + (t0 + t) * ldy;
+                for (int64_t j = 0; j < rest; ++j) scaled_add(sums + j * depth, xr, yr[full * LANES + j], depth);
+                if (with_sum) scaled_add(sums + rest * depth, xr, 1.0f, depth);
             }
         }
         for (int64_t j = 0; j < extra; ++j)
             for (int64_t i = 0; i < depth; ++i) cb[i * ldc + full * LANES + j] = sums[j * depth + i];
     }
     free(sums);
+    free(made);
 #else
-    (void)x, (void)y, (void)c, (void)b0, (void)b1, (void)inner, (void)n, (void)depth, (void)columns;
-    (void)with_sum, (void)sx, (void)sy, (void)sc;
+    (void)x, (void)produce, (void)state, (void)y, (void)c, (void)b0, (void)b1, (void)inner, (void)n, (void)depth;
+    (void)columns, (void)with_sum, (void)sx, (void)sy, (void)sc;
+#endif
+}
+
+void transposed_product(const float *x, const float *y, float *c, int64_t b0, int64_t b1, int64_t inner, int64_t n,
+                        int64_t depth, int64_t columns, int32_t with_sum, const int64_t *sx, const int64_t *sy,
+                        const int64_t *sc) {
+    transposed_product_of(x, 0, 0, y, c, b0, b1, inner, n, depth, columns, with_sum, sx, sy, sc);
+}
+
+/* transposed_product of the x that produce(state, ...) makes (in entry b's rows, a contiguous [n, depth]). */
+void produced_transposed_product(produce_rows produce, const void *state, const float *y, float *c, int64_t b0,
+                                 int64_t b1, int64_t inner, int64_t n, int64_t depth, int64_t columns, int32_t with_sum,
+                                 const int64_t *sy, const int64_t *sc) {
+    transposed_product_of(0, produce, state, y, c, b0, b1, inner, n, depth, columns, with_sum, 0, sy, sc);
+}
+
+/* product, its x read from memory (produce NULL) or made TOKEN_BLOCK rows at a time (x NULL), as above. */
+static void product_of(const float *x, produce_rows produce, const void *state, const float *w, const float *bias,
+                       float *c, int64_t b0, int64_t b1, int64_t inner, int64_t n, int64_t depth, int64_t columns,
+                       const int64_t *sx, const int64_t *sw, const int64_t *sbias, const int64_t *sc) {
+#if LANES
+    const int64_t full = columns / LANES, rest = columns - full * LANES, ldw = sw[2], ldc = sc[2];
+    const int64_t ldx = produce ? depth : sx[2], block = produce ? TOKEN_BLOCK : n;
+    float *w_rest = rest ? malloc(sizeof(float) * rest * depth) : 0; /* w's last columns, each contiguous */
+    float *made = produce ? malloc(sizeof(float) * TOKEN_BLOCK * depth) : 0;
+    if ((rest && !w_rest) || (produce && !made)) abort(); /* without them the result would be wrong */
+    for (int64_t b = b0; b < b1; ++b) {
+        const float *xb = produce ? 0 : x + entry(sx, b, inner), *wb = w + entry(sw, b, inner);
+        const float *biasb = bias ? bias + entry(sbias, b, inner) : 0;
+        float *cb = c + entry(sc, b, inner);
+        for (int64_t j = 0; j < rest; ++j)
+            for (int64_t i = 0; i < depth; ++i) w_rest[j * depth + i] = wb[i * ldw + full * LANES + j];
+        for (int64_t s0 = 0; s0 < n; s0 += block) {
+            const int64_t sn = n - s0 < block ? n - s0 : block;
+            if (produce) produce(state, b, s0, sn, made);
+            const float *xs = produce ? made : xb + s0 * ldx; /* the block's first row */
+            for (int64_t t0 = 0; t0 < sn; t0 += TILE_ROWS) {
+                const int rows = sn - t0 < TILE_ROWS ? (int)(sn - t0) : TILE_ROWS;
+                float *ct = cb + (s0 + t0) * ldc;
+                for (int64_t v0 = 0; v0 < full; v0 += TILE_VECS) {
+                    const int vecs = full - v0 < TILE_VECS ? (int)(full - v0) : TILE_VECS;
+                    tile_any(xs + t0 * ldx, 1, ldx, wb + v0 * LANES, ldw, biasb ? biasb + v0 * LANES : 0, 0,
+                             ct + v0 * LANES, ldc, depth, rows, vecs);
+                }
+                for (int64_t j = 0; j < rest; ++j)
+                    dots_tile_any(xs + t0 * ldx, ldx, w_rest + j * depth, biasb ? biasb[full * LANES + j] : 0.0f,
+                                  ct + full * LANES + j, ldc, depth, rows);
+            }
+        }
+    }
+    free(w_rest);
+    free(made);
+#else
+    (void)x, (void)produce, (void)state, (void)w, (void)bias, (void)c, (void)b0, (void)b1, (void)inner, (void)n;
+    (void)depth, (void)columns, (void)sx, (void)sw, (void)sbias, (void)sc;
 #endif
 }
 
 void product(const float *x, const float *w, const float *bias, float *c, int64_t b0, int64_t b1, int64_t inner,
              int64_t n, int64_t depth, int64_t columns, const int64_t *sx, const int64_t *sw, const int64_t *sbias,
              const int64_t *sc) {
-#if LANES
-    const int64_t full = columns / LANES, rest = columns - full * LANES, ldx = sx[2], ldw = sw[2], ldc = sc[2];
-    float *w_rest = rest ? malloc(sizeof(float) * rest * depth) : 0; /* w's last columns, each contiguous */
-    if (rest && !w_rest) abort(); /* a few KB: without them the result would be wrong */
-    for (int64_t b = b0; b < b1; ++b) {
-        const float *xb = x + entry(sx, b, inner), *wb = w + entry(sw, b, inner);
-        const float *biasb = bias ? bias + entry(sbias, b, inner) : 0;
-        float *cb = c + entry(sc, b, inner);
-        for (int64_t j = 0; j < rest; ++j)
-            for (int64_t i = 0; i < depth; ++i) w_rest[j * depth + i] = wb[i * ldw + full * LANES + j];
-        for (int64_t t0 = 0; t0 < n; t0 += TILE_ROWS) {
-            const int rows = n - t0 < TILE_ROWS ? (int)(n - t0) : TILE_ROWS;
-            for (int64_t v0 = 0; v0 < full; v0 += TILE_VECS) {
-                const int vecs = full - v0 < TILE_VECS ? (int)(full - v0) : TILE_VECS;
-                tile_any(xb + t0 * ldx, 1, ldx, wb + v0 * LANES, ldw, biasb ? biasb + v0 * LANES : 0, 0,
-                         cb + t0 * ldc + v0 * LANES, ldc, depth, rows, vecs);
-            }
-            for (int64_t j = 0; j < rest; ++j)
-                dots_tile_any(xb + t0 * ldx, ldx, w_rest + j * depth, biasb ? biasb[full * LANES + j] : 0.0f,
-                              cb + t0 * ldc + full * LANES + j, ldc, depth, rows);
-        }
-    }
-    free(w_rest);
-#else
-    (void)x, (void)w, (void)bias, (void)c, (void)b0, (void)b1, (void)inner, (void)n, (void)depth, (void)columns;
-    (void)sx, (void)sw, (void)sbias, (void)sc;
-#endif
+    product_of(x, 0, 0, w, bias, c, b0, b1, inner, n, depth, columns, sx, sw, sbias, sc);
+}
+
+/* product of the x that produce(state, ...) makes, without a bias. */
+void produced_product(produce_rows produce, const void *state, const float *w, float *c, int64_t b0, int64_t b1,
+                      int64_t inner, int64_t n, int64_t depth, int64_t columns, const int64_t *sw, const int64_t *sc) {
+    product_of(0, produce, state, w, 0, c, b0, b1, inner, n, depth, columns, 0, sw, 0, sc);
 }

@@ -1,0 +1,146 @@
+"""LUNA's features made inside the core's native products and never stored (``ops.products.ProducedRows``,
+``luna_rows`` in luna_channels.c, ``ops.linear.produced_attention_unnormalised``): the two products of
+produced rows against ``torch.bmm`` in float64 of the stored features, and to the bit against the native
+products of the stored features; a layer's output unchanged to the bit with and without them (paper form and
+conversion defaults, key masks, DWC on and off, one and two threads), in the build for this CPU and in the
+AVX2 build; and the rows offered only where they apply (no gradients, float32, no autocast).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import NATIVE_BUILDS, this_cpu_or_avx2
+
+from luna_convert.layers.attention import LinearAttention
+from luna_convert.linear_methods import luna_native
+from luna_convert.ops import products
+
+PAPER = dict(projections=8, channels=8, per_head_projections=False, projection_init="random",
+             channel_init="random", feature_norm="none", separate_key_map=False)
+FORMS = {"paper": PAPER, "defaults": {}}
+
+
+@pytest.fixture(params=NATIVE_BUILDS)
+def library(request, monkeypatch):
+    if luna_native.library() is None:
+        pytest.skip(luna_native.status())
+    return this_cpu_or_avx2(request.param, monkeypatch, products, "native_library", products.native_status,
+                            products.NATIVE_SOURCE, products.NATIVE_SIGNATURES, "product_lanes")
+
+
+def luna_layer(form: str, head_dim: int = 16, heads: int = 3, **overrides) -> LinearAttention:
+    torch.manual_seed(0)
+    return LinearAttention("luna", head_dim, heads, head_dim**-0.5, **FORMS[form], **overrides).eval()
+
+
+def heads_split(batch: int, heads: int, tokens: int, head_dim: int, seed: int) -> torch.Tensor:
+    """[B, H, N, d] as the adapters pass it: a view of the heads split from [B, N, H d]."""
+    torch.manual_seed(seed)
+    return torch.randn(batch, tokens, heads, head_dim).transpose(1, 2)
+
+
+def with_threads(threads: int, fn):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("tokens", [1, 7, 300, 513])  # one token, a partial tile, past the 256-token block
+@pytest.mark.parametrize("columns", [16, 17, 65])  # full vectors, and columns past them
+@pytest.mark.parametrize("threads", [1, 2])
+def test_products_of_produced_rows_match_the_stored_features(library, form, tokens, columns, threads):
+    layer = luna_layer(form)
+    q, k = heads_split(2, 3, tokens, 16, 1), heads_split(2, 3, tokens, 16, 2)
+    torch.manual_seed(3)
+    y = torch.randn(2, 3, tokens, columns)
+    with torch.no_grad():
+        q_rows, k_rows = layer.feature_rows(q, k)
+        phi_q, phi_k = layer.features(q, k)
+        width = phi_q.shape[-1]
+        w = torch.randn(2, 3, width, columns)
+        assert q_rows.shape == k_rows.shape == phi_q.shape
+        for with_sum in (False, True):
+            made = with_threads(threads, lambda: products.produced_transposed_product(k_rows, y, with_sum))
+            reference = phi_k.double().transpose(-1, -2) @ y.double()
+            if with_sum:
+                reference = torch.cat([reference, phi_k.double().sum(-2)[..., None]], -1)
+            torch.testing.assert_close(made.double(), reference, rtol=1e-5, atol=1e-4)
+            assert torch.equal(made, products.transposed_product(phi_k, y, with_sum))
+        made = with_threads(threads, lambda: products.produced_product(q_rows, w))
+        torch.testing.assert_close(made.double(), phi_q.double() @ w.double(), rtol=1e-5, atol=1e-4)
+        assert torch.equal(made, products.product(phi_q, w))
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dwc", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layer_output_is_the_same_to_the_bit(library, monkeypatch, form, masked, dwc, threads):
+    layer = luna_layer(form, dwc=dwc)
+    tokens = 300
+    q, k, v = (heads_split(2, 3, tokens, 16, seed) for seed in (1, 2, 3))
+    mask = None
+    if masked:
+        mask = torch.rand(2, tokens, generator=torch.Generator().manual_seed(4)) > 0.3
+        mask[1] = False  # an example without a real key
+        mask[1, :2] = True
+    made = []
+    real = products.produced_product
+    monkeypatch.setattr(products, "produced_product", lambda *a: (made.append(1), real(*a))[1])
+    with torch.no_grad():
+        out = with_threads(threads, lambda: layer(q, k, v, key_mask=mask))
+        assert made, "the produced rows were not used"
+        monkeypatch.setattr(layer, "feature_rows", lambda q, k: None)
+        stored = with_threads(threads, lambda: layer(q, k, v, key_mask=mask))
+    assert len(made) == 1
+    assert torch.equal(out, stored)
+
+
+def test_long_inputs_take_the_produced_rows_instead_of_streaming(library, monkeypatch):
+    import luna_convert.layers.attention as attention
+
+    layer = luna_layer("defaults")
+    layer.stream_min_bytes, layer.stream_chunk_bytes = 1000, 1  # the stored features would stream
+    q, k, v = (heads_split(1, 3, 40, 16, seed) for seed in (1, 2, 3))
+    streamed = []
+    real = attention.streamed_linear_attention
+    monkeypatch.setattr(attention, "streamed_linear_attention", lambda *a, **kw: (streamed.append(1), real(*a, **kw))[1])
+    with torch.no_grad():
+        out = layer(q, k, v)
+        assert not streamed
+        monkeypatch.setattr(layer, "feature_rows", lambda q, k: None)
+        torch.testing.assert_close(out, layer(q, k, v), rtol=0, atol=1e-6)
+        assert streamed
+
+
+def test_rows_are_offered_only_where_they_apply(library):
+    layer = luna_layer("paper")
+    q = heads_split(1, 3, 20, 16, 1)
+    with torch.no_grad():
+        assert layer.feature_rows(q, q) is not None
+        assert layer.feature_rows(q.double(), q.double()) is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert layer.feature_rows(q, q) is None
+    assert layer.feature_rows(q, q) is None  # a gradient is recorded for the map's parameters
+    with torch.no_grad():
+        assert luna_layer("paper", envelope=True).feature_rows(q, q) is None  # a gate the native pass lacks
+        t2r = LinearAttention("t2r", 16, 3, 0.25).eval()
+        assert t2r.feature_rows(q, q) is None  # a map that offers no rows
+
+
+def test_produced_products_check_their_operands(library):
+    layer = luna_layer("paper")
+    q = heads_split(1, 3, 20, 16, 1)
+    with torch.no_grad():
+        rows, _ = layer.feature_rows(q, q)
+    with pytest.raises(ValueError, match="tokens"):
+        products.produced_transposed_product(rows, torch.randn(1, 3, 21, 16))
+    with pytest.raises(ValueError, match="float32"):
+        products.produced_transposed_product(rows, torch.randn(1, 3, 20, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="rows"):
+        products.produced_product(rows, torch.randn(1, 3, 7, 16))
