@@ -1,8 +1,10 @@
 """Where one attention layer's forward time goes (no gradients), fastest of many calls in one process
 (docs/performance-log.md, *Session 18*).
 
-Timed apart, on the same [B, H, N, d] inputs: the whole layer; its feature maps (queries and keys); the
-linear-attention core before its division (``ops.linear.linear_attention_unnormalised``); the DWC branch
+Timed apart, on the same [B, H, N, d] inputs: the whole layer; where the layer makes its features inside the
+core's products (``ops.linear.produced_attention_unnormalised``, *Session 23*), that; its feature maps
+(queries and keys) stored; the linear-attention core of the stored features before its division
+(``ops.linear.linear_attention_unnormalised``); the DWC branch
 with the division (where the method has one); then the core's two products, torch.bmm against
 ``ops.products`` (the native code where it applies: *Session 21*), the second one phi_q [S | z] with its
 65 columns against phi_q S with 64, and three ways of computing the denominator phi_q z apart.
@@ -38,7 +40,7 @@ def main() -> None:
     import torch
 
     from luna_convert.ops import products
-    from luna_convert.ops.linear import linear_attention_unnormalised
+    from luna_convert.ops.linear import linear_attention_unnormalised, produced_attention_unnormalised
     from luna_convert.ops.reference import EPS
     from luna_convert.tools.bench import LinearAttention, layer_variant
 
@@ -57,8 +59,11 @@ def main() -> None:
         phi_q, phi_k = layer.features(q, k, None)
         sums = linear_attention_unnormalised(phi_q, phi_k, v)
         show("layer", lambda: layer(q, k, v))
-        show("feature maps (q and k)", lambda: layer.features(q, k, None))
-        show("core, undivided", lambda: linear_attention_unnormalised(phi_q, phi_k, v))
+        if layer.feature_rows(q, k) is not None:  # what the layer runs: the features never stored
+            show("maps + core, features made in the products", lambda: produced_attention_unnormalised(
+                *layer.feature_rows(q, k), v))
+        show("feature maps (q and k), stored", lambda: layer.features(q, k, None))
+        show("core, undivided, of stored features", lambda: linear_attention_unnormalised(phi_q, phi_k, v))
         if layer.dwc is not None:
             show("DWC with the division", lambda: layer.dwc(v, None, plus=sums, divide=(EPS, False)))
         rows, width = args.batch * args.heads, phi_q.shape[-1]

@@ -1,12 +1,16 @@
-"""LUNA's features made inside the core's native products and never stored (``ops.products.ProducedRows``,
-``luna_rows`` in luna_channels.c, ``ops.linear.produced_attention_unnormalised``): the two products of
-produced rows against ``torch.bmm`` in float64 of the stored features, and to the bit against the native
-products of the stored features; a layer's output unchanged to the bit with and without them (paper form and
-conversion defaults, key masks, DWC on and off, one and two threads), in the build for this CPU and in the
-AVX2 build; and the rows offered only where they apply (no gradients, float32, no autocast).
+"""Features made inside the core's native products and never stored (``ops.products.ProducedRows``,
+``ops.linear.produced_attention_unnormalised``; LUNA's ``luna_rows`` in luna_channels.c, Taylor's and
+LLoPS's ``ops/pair_rows.c``): the two products of produced rows against ``torch.bmm`` in float64 of the stored
+features, and to the bit against the native products of the stored features; a layer's output unchanged to
+the bit with and without them (LUNA's paper form and conversion defaults, Taylor with and without its
+projection; key masks, DWC on and off, one and two threads), in the build for this CPU and in the AVX2
+build; long inputs not streamed; and the rows offered only where they apply (no gradients, float32, no
+autocast).
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -14,24 +18,28 @@ from conftest import NATIVE_BUILDS, this_cpu_or_avx2
 
 from luna_convert.layers.attention import LinearAttention
 from luna_convert.linear_methods import luna_native
-from luna_convert.ops import products
+from luna_convert.ops import native, pair_rows, products
 
 PAPER = dict(projections=8, channels=8, per_head_projections=False, projection_init="random",
              channel_init="random", feature_norm="none", separate_key_map=False)
-FORMS = {"paper": PAPER, "defaults": {}}
+FORMS = {"paper": ("luna", PAPER), "defaults": ("luna", {}), "taylor": ("taylor", {}),
+         "taylor, projected": ("taylor", {"project_dim": 5}), "llops": ("llops", {"rank": 6}),
+         "llops, homogeneous": ("llops", {"rank": 5, "homogeneous": True, "qk_norm": True})}
 
 
 @pytest.fixture(params=NATIVE_BUILDS)
 def library(request, monkeypatch):
-    if luna_native.library() is None:
-        pytest.skip(luna_native.status())
+    for maps in (luna_native, pair_rows):
+        if maps.library() is None:
+            pytest.skip(native.status(maps.SOURCE))
     return this_cpu_or_avx2(request.param, monkeypatch, products, "native_library", products.native_status,
                             products.NATIVE_SOURCE, products.NATIVE_SIGNATURES, "product_lanes")
 
 
-def luna_layer(form: str, head_dim: int = 16, heads: int = 3, **overrides) -> LinearAttention:
+def layer_of(form: str, head_dim: int = 16, heads: int = 3, **overrides) -> LinearAttention:
+    method, options = FORMS[form]
     torch.manual_seed(0)
-    return LinearAttention("luna", head_dim, heads, head_dim**-0.5, **FORMS[form], **overrides).eval()
+    return LinearAttention(method, head_dim, heads, head_dim**-0.5, **options, **overrides).eval()
 
 
 def heads_split(batch: int, heads: int, tokens: int, head_dim: int, seed: int) -> torch.Tensor:
@@ -54,7 +62,7 @@ def with_threads(threads: int, fn):
 @pytest.mark.parametrize("columns", [16, 17, 65])  # full vectors, and columns past them
 @pytest.mark.parametrize("threads", [1, 2])
 def test_products_of_produced_rows_match_the_stored_features(library, form, tokens, columns, threads):
-    layer = luna_layer(form)
+    layer = layer_of(form)
     q, k = heads_split(2, 3, tokens, 16, 1), heads_split(2, 3, tokens, 16, 2)
     torch.manual_seed(3)
     y = torch.randn(2, 3, tokens, columns)
@@ -70,10 +78,11 @@ def test_products_of_produced_rows_match_the_stored_features(library, form, toke
             if with_sum:
                 reference = torch.cat([reference, phi_k.double().sum(-2)[..., None]], -1)
             torch.testing.assert_close(made.double(), reference, rtol=1e-5, atol=1e-4)
-            assert torch.equal(made, products.transposed_product(phi_k, y, with_sum))
+            # Taylor stores its features feature-major (a view): native products need them contiguous
+            assert torch.equal(made, products.transposed_product(phi_k.contiguous(), y, with_sum))
         made = with_threads(threads, lambda: products.produced_product(q_rows, w))
         torch.testing.assert_close(made.double(), phi_q.double() @ w.double(), rtol=1e-5, atol=1e-4)
-        assert torch.equal(made, products.product(phi_q, w))
+        assert torch.equal(made, products.product(phi_q.contiguous(), w))
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -81,7 +90,7 @@ def test_products_of_produced_rows_match_the_stored_features(library, form, toke
 @pytest.mark.parametrize("dwc", [True, False])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_layer_output_is_the_same_to_the_bit(library, monkeypatch, form, masked, dwc, threads):
-    layer = luna_layer(form, dwc=dwc)
+    layer = layer_of(form, dwc=dwc)
     tokens = 300
     q, k, v = (heads_split(2, 3, tokens, 16, seed) for seed in (1, 2, 3))
     mask = None
@@ -98,13 +107,22 @@ def test_layer_output_is_the_same_to_the_bit(library, monkeypatch, form, masked,
         monkeypatch.setattr(layer, "feature_rows", lambda q, k: None)
         stored = with_threads(threads, lambda: layer(q, k, v, key_mask=mask))
     assert len(made) == 1
-    assert torch.equal(out, stored)
+    if FORMS[form][0] == "luna":
+        assert torch.equal(out, stored)
+    else:
+        # Taylor's and LLoPS's stored features take torch.bmm (feature-major), which sums in another order, and
+        # their signed features cancel in the sums: both as far from the float64 layer, within a factor
+        with torch.no_grad():
+            reference = copy.deepcopy(layer).double()(q.double(), k.double(), v.double(), key_mask=mask)
+        made_error, stored_error = ((t.double() - reference).abs().max().item() for t in (out, stored))
+        assert made_error <= 2 * stored_error + 1e-6, (made_error, stored_error)
 
 
-def test_long_inputs_take_the_produced_rows_instead_of_streaming(library, monkeypatch):
+@pytest.mark.parametrize("form", ["defaults", "taylor", "llops"])
+def test_long_inputs_take_the_produced_rows_instead_of_streaming(library, monkeypatch, form):
     import luna_convert.layers.attention as attention
 
-    layer = luna_layer("defaults")
+    layer = layer_of(form)
     layer.stream_min_bytes, layer.stream_chunk_bytes = 1000, 1  # the stored features would stream
     q, k, v = (heads_split(1, 3, 40, 16, seed) for seed in (1, 2, 3))
     streamed = []
@@ -119,22 +137,27 @@ def test_long_inputs_take_the_produced_rows_instead_of_streaming(library, monkey
 
 
 def test_rows_are_offered_only_where_they_apply(library):
-    layer = luna_layer("paper")
     q = heads_split(1, 3, 20, 16, 1)
+    for form in FORMS:
+        layer = layer_of(form)  # LLoPS's maps have parameters, Taylor's without its projection none
+        with torch.no_grad():
+            assert layer.feature_rows(q, q) is not None
+            assert layer.feature_rows(q.double(), q.double()) is None
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                assert layer.feature_rows(q, q) is None
+        assert layer.feature_rows(q.clone().requires_grad_(), q) is None  # a gradient is recorded for q
+        if list(layer.parameters()):
+            assert layer.feature_rows(q, q) is None  # and for the map's parameters
+        else:  # Taylor without its projection has none
+            assert layer.feature_rows(q, q) is not None
     with torch.no_grad():
-        assert layer.feature_rows(q, q) is not None
-        assert layer.feature_rows(q.double(), q.double()) is None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert layer.feature_rows(q, q) is None
-    assert layer.feature_rows(q, q) is None  # a gradient is recorded for the map's parameters
-    with torch.no_grad():
-        assert luna_layer("paper", envelope=True).feature_rows(q, q) is None  # a gate the native pass lacks
+        assert layer_of("paper", envelope=True).feature_rows(q, q) is None  # a gate the native pass lacks
         t2r = LinearAttention("t2r", 16, 3, 0.25).eval()
         assert t2r.feature_rows(q, q) is None  # a map that offers no rows
 
 
 def test_produced_products_check_their_operands(library):
-    layer = luna_layer("paper")
+    layer = layer_of("paper")
     q = heads_split(1, 3, 20, 16, 1)
     with torch.no_grad():
         rows, _ = layer.feature_rows(q, q)

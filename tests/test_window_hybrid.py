@@ -206,8 +206,14 @@ def test_window_zero_leaves_the_layer_as_it_was(name):
     context = AttentionContext(key_mask, N)
     with torch.no_grad():
         features = layer.features(q, k, context)
-        assert torch.equal(layer(q, k, v, key_mask),
-                           linear_attention(*features, v, key_mask, layer.eps, layer.clamp_denominator))
+        out = layer(q, k, v, key_mask)
+        expected = linear_attention(*features, v, key_mask, layer.eps, layer.clamp_denominator)
+        if name in ("taylor", "llops"):
+            # their layers make the features inside the native products (tests/test_produced_rows.py), which
+            # sum in another order than torch.bmm does over their stored, feature-major features
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(out, expected)
         assert torch.equal(layer.attention_weights(q, k, key_mask, context),
                            linear_attention_weights(*features, key_mask, layer.eps, layer.clamp_denominator))
 

@@ -22,7 +22,9 @@ from torch import nn
 
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
+from ..ops import pair_rows, products
 from ..ops.layout import tokens_first
+from ..ops.products import ProducedRows
 from .base import AttentionOptions, FeatureMap, Method, check_int, check_positive_int, option
 from .registry import register
 from .taylor import upper_triangle
@@ -93,8 +95,9 @@ class LLoPSFeatureMap(FeatureMap):
         bias = None if self.options.homogeneous else sketch[..., :1].view(sketch.shape[0], 1, -1)
         return weight, bias
 
-    def sketch_features(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """phi(x) for x [B, H, n, d] and ``sketch_operands``: [B, H, n, D]."""
+    def sketch_of(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """psi_l = r^-1/2 prod_t <u_{l,t}, x~> for x [B, H, n, d] and ``sketch_operands``: [B, H, n, r], a view
+        with unit stride along r."""
         if self.options.qk_norm:
             x = F.layer_norm(x, x.shape[-1:], eps=1e-5)
         b, h, n, d = x.shape
@@ -102,8 +105,20 @@ class LLoPSFeatureMap(FeatureMap):
         x_heads = x.transpose(0, 1).reshape(h, b * n, d)  # a view of the heads split from [B, n, H d]
         # [H, B n, p/2 r]
         projections = torch.bmm(x_heads, weight) if bias is None else torch.baddbmm(bias, x_heads, weight)
-        # psi_l = r^-1/2 prod_t <u_{l,t}, x~>, tokens last: [B, H, r, n]
-        psi = (projections.view(h, b, n, -1, r).prod(dim=-2) * r**-0.5).permute(1, 0, 3, 2)
+        return (projections.view(h, b, n, -1, r).prod(dim=-2) * r**-0.5).permute(1, 0, 2, 3)
+
+    def feature_rows(self, *xs: torch.Tensor) -> tuple[ProducedRows, ...] | None:
+        """The features of each of ``xs`` made inside the core's native products from the sketch, never stored
+        (``ops.pair_rows``: the diagonal psi_l psi_l, the rest (psi_l sqrt(2)) psi_m, as ``sketch_features``
+        computes them): at inference, float32 on the CPU, where the library is built."""
+        if not (products.produced_rows_apply(*xs, *self.parameters()) and pair_rows.library() is not None):
+            return None
+        weight, bias = self.sketch_operands(torch.float32)
+        return tuple(pair_rows.pair_feature_rows(self.sketch_of(x, weight, bias), 1.0, 2**0.5) for x in xs)
+
+    def sketch_features(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """phi(x) for x [B, H, n, d] and ``sketch_operands``: [B, H, n, D]."""
+        psi = self.sketch_of(x, weight, bias).transpose(-1, -2)  # tokens last: [B, H, r, n]
         # The pairs as whole rows of left = [psi; sqrt(2) psi] (tokens last; right_rows < r pick psi itself), returned
         # as the [B, H, n, D] view: selecting rows is about 3x faster than gathering single elements along the
         # last axis (see Taylor).

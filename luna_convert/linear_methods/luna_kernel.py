@@ -430,14 +430,10 @@ def channel_features_of(psi, *us: torch.Tensor, scale: float = 1.0,
 
 
 def feature_rows_apply(psi, projections: int, *tensors: torch.Tensor) -> bool:
-    """Whether ``channel_feature_rows`` takes these now (x, and the projection's weight and bias if any): float32
-    CPU tensors, no gradient recorded (for them or ``psi``), no autocast, not compiling, and both native
-    libraries (the channel pass for M = ``projections``, and ``ops.products``)."""
-    device = tensors[0].device
-    return (native_kernel_applies(projections, psi.channels, torch.float32, device)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *psi.parameters())))
-            and all(t.dtype == torch.float32 for t in tensors) and not torch.is_autocast_enabled(device.type)
-            and products.native_library() is not None)
+    """Whether ``channel_feature_rows`` takes these now (x, and the projection's parameters if any):
+    ``products.produced_rows_apply`` for them and ``psi``'s, and the native channel pass for M = ``projections``."""
+    return (native_kernel_applies(projections, psi.channels, torch.float32, tensors[0].device)
+            and products.produced_rows_apply(*tensors, *psi.parameters()))
 
 
 def channel_feature_rows(psi, *xs: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,

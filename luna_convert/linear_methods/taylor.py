@@ -20,7 +20,9 @@ from torch import nn
 
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
+from ..ops import pair_rows, products
 from ..ops.layout import tokens_first
+from ..ops.products import ProducedRows
 from .base import AttentionOptions, FeatureMap, Method, option
 from .registry import register
 
@@ -81,14 +83,26 @@ class TaylorFeatureMap(FeatureMap):
     def feature_dim(self) -> int:
         return 1 + self.width + self.width * (self.width + 1) // 2
 
+    def projected(self, x: torch.Tensor) -> torch.Tensor:
+        """x in the compute dtype, through the projection if there is one (call with autocast off)."""
+        compute = accumulation_dtype(x)
+        x = x.to(compute)
+        return x if self.projection is None else torch.matmul(x, self.projection.to(compute))
+
+    def feature_rows(self, *xs: torch.Tensor) -> tuple[ProducedRows, ...] | None:
+        """The features of each of ``xs`` made inside the core's native products, never stored
+        (``ops.pair_rows``): at inference, float32 on the CPU, where the library is built."""
+        if not (products.produced_rows_apply(*xs, *self.parameters()) and pair_rows.library() is not None):
+            return None
+        d = self.head_dim  # the scales of forward's left rows
+        return tuple(pair_rows.pair_feature_rows(self.projected(x), (2 * d)**-0.5, d**-0.5, constant=True,
+                                                 linear_scale=d**-0.25) for x in xs)
+
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
         # In fp32 (float64 stays float64): bf16 products x_i x_j lose the s^2/2 term's precision, and the
         # attention sums upcast the features to fp32 anyway, so this costs no extra copy.
-        compute = accumulation_dtype(x)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            x = x.to(compute)
-            if self.projection is not None:
-                x = torch.matmul(x, self.projection.to(compute))
+            x = self.projected(x)
             # Built tokens last, [.., D, N], and returned as its [.., N, D] view: selecting whole rows of
             # x^T is about 3x faster than gathering single elements along the last axis (taylor at 4,096
             # tokens spent 62 % of its forward in that gather); the core's products take either layout.

@@ -146,6 +146,16 @@ class ProducedRows:
     keep: tuple = ()
 
 
+def produced_rows_apply(*tensors: torch.Tensor) -> bool:
+    """Whether a map may hand these (its inputs and parameters) to the products as ``ProducedRows``: float32
+    CPU tensors, no gradient recorded for any, no autocast, not compiling, and the native products here."""
+    if torch.compiler.is_compiling():
+        return False
+    return (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and not torch.is_autocast_enabled("cpu") and native_library() is not None)
+
+
 def _check_produced(rows: ProducedRows, other: torch.Tensor, what: str) -> None:
     """The checks ``_native_applies`` makes for a read operand, for the one that goes with a ProducedRows."""
     if native_library() is None:
