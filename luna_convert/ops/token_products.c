@@ -271,3 +271,57 @@ void produced_product(produce_rows produce, const void *state, const float *w, f
                       int64_t inner, int64_t n, int64_t depth, int64_t columns, const int64_t *sw, const int64_t *sc) {
     product_of(0, produce, state, w, 0, c, b0, b1, inner, n, depth, columns, 0, sw, 0, sc);
 }
+
+/* Affine features relu(x W^T + b) (or without the relu) of a token's x [d], made a block of tokens at a time
+ * for the produced_* functions above (T2R's map): x at any strides (its last 1), W^T [d, D] and b [D]
+ * contiguous. The sums are the tile's, in depth order. */
+typedef struct {
+    const float *x;
+    int64_t heads, stride_b, stride_h, stride_n, depth, columns;
+    const float *wt, *bias;
+    int32_t relu;
+} affine_state_t;
+
+int affine_rows_state_size(void) { return (int)sizeof(affine_state_t); }
+
+void affine_rows_state(affine_state_t *s, const float *x, int64_t heads, int64_t stride_b, int64_t stride_h,
+                       int64_t stride_n, int64_t depth, int64_t columns, const float *wt, const float *bias,
+                       int32_t relu) {
+    s->x = x;
+    s->heads = heads;
+    s->stride_b = stride_b;
+    s->stride_h = stride_h;
+    s->stride_n = stride_n;
+    s->depth = depth;
+    s->columns = columns;
+    s->wt = wt;
+    s->bias = bias;
+    s->relu = relu;
+}
+
+/* The features [tn, D] of tokens [t0, t0 + tn) of batch entry b (b = batch * heads + head). */
+void affine_rows(const void *state, int64_t b, int64_t t0, int64_t tn, float *out) {
+#if LANES
+    const affine_state_t *s = state;
+    const int64_t d = s->depth, D = s->columns, ldx = s->stride_n, full = D / LANES;
+    const float *x = s->x + (b / s->heads) * s->stride_b + (b % s->heads) * s->stride_h + t0 * ldx;
+    for (int64_t r0 = 0; r0 < tn; r0 += TILE_ROWS) {
+        const int rows = tn - r0 < TILE_ROWS ? (int)(tn - r0) : TILE_ROWS;
+        for (int64_t v0 = 0; v0 < full; v0 += TILE_VECS) {
+            const int vecs = full - v0 < TILE_VECS ? (int)(full - v0) : TILE_VECS;
+            tile_any(x + r0 * ldx, 1, ldx, s->wt + v0 * LANES, D, s->bias + v0 * LANES, 0, out + r0 * D + v0 * LANES,
+                     D, d, rows, vecs);
+        }
+        for (int64_t r = r0; r < r0 + rows; ++r) /* the columns past the last full vector, one dot each */
+            for (int64_t j = full * LANES; j < D; ++j) {
+                float acc = s->bias[j];
+                for (int64_t i = 0; i < d; ++i) acc += x[r * ldx + i] * s->wt[i * D + j];
+                out[r * D + j] = acc;
+            }
+    }
+    if (s->relu)
+        for (int64_t i = 0; i < tn * D; ++i) out[i] = out[i] < 0.0f ? 0.0f : out[i]; /* NaN stays NaN, as in torch.relu */
+#else
+    (void)state, (void)b, (void)t0, (void)tn, (void)out;
+#endif
+}
