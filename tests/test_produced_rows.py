@@ -18,22 +18,22 @@ from conftest import NATIVE_BUILDS, this_cpu_or_avx2
 
 from luna_convert.layers.attention import LinearAttention
 from luna_convert.linear_methods import luna_native
-from luna_convert.ops import native, pair_rows, products
+from luna_convert.ops import exp_rows, native, pair_rows, products
 
 PAPER = dict(projections=8, channels=8, per_head_projections=False, projection_init="random",
              channel_init="random", feature_norm="none", separate_key_map=False)
 # The makers that repeat the stored forward's float operations (the same features to the bit); T2R's sums its
 # projection in the products' tile order, not MKL's.
-SAME_FEATURES = {"luna", "taylor", "llops"}
+SAME_FEATURES = {"luna", "taylor", "llops", "hedgehog"}
 FORMS = {"paper": ("luna", PAPER), "defaults": ("luna", {}), "taylor": ("taylor", {}),
          "taylor, projected": ("taylor", {"project_dim": 5}), "llops": ("llops", {"rank": 6}),
          "llops, homogeneous": ("llops", {"rank": 5, "homogeneous": True, "qk_norm": True}),
-         "t2r": ("t2r", {}), "t2r, 20 features": ("t2r", {"feature_dim": 20})}
+         "t2r": ("t2r", {}), "t2r, 20 features": ("t2r", {"feature_dim": 20}), "hedgehog": ("hedgehog", {})}
 
 
 @pytest.fixture(params=NATIVE_BUILDS)
 def library(request, monkeypatch):
-    for maps in (luna_native, pair_rows):
+    for maps in (luna_native, pair_rows, exp_rows):
         if maps.library() is None:
             pytest.skip(native.status(maps.SOURCE))
     return this_cpu_or_avx2(request.param, monkeypatch, products, "native_library", products.native_status,
@@ -43,7 +43,12 @@ def library(request, monkeypatch):
 def layer_of(form: str, head_dim: int = 16, heads: int = 3, **overrides) -> LinearAttention:
     method, options = FORMS[form]
     torch.manual_seed(0)
-    return LinearAttention(method, head_dim, heads, head_dim**-0.5, **options, **overrides).eval()
+    layer = LinearAttention(method, head_dim, heads, head_dim**-0.5, **options, **overrides).eval()
+    if method == "hedgehog":  # W = I and b = 0 at conversion: a head mixed up with another would not show
+        with torch.no_grad():
+            for parameter in layer.method_parameters():
+                parameter.normal_(0.0, 0.3)
+    return layer
 
 
 def heads_split(batch: int, heads: int, tokens: int, head_dim: int, seed: int) -> torch.Tensor:
@@ -112,7 +117,7 @@ def test_layer_output_is_the_same_to_the_bit(library, monkeypatch, form, masked,
         monkeypatch.setattr(layer, "feature_rows", lambda q, k: None)
         stored = with_threads(threads, lambda: layer(q, k, v, key_mask=mask))
     assert len(made) == 1
-    if FORMS[form][0] == "luna":
+    if FORMS[form][0] in ("luna", "hedgehog"):  # the same features, and the native products both ways
         assert torch.equal(out, stored)
     else:
         # Taylor's and LLoPS's stored features take torch.bmm (feature-major), which sums in another order, and

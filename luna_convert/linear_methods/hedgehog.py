@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import exp_rows
+from ..ops import exp_rows, products
 from ..ops.context import AttentionContext
+from ..ops.products import ProducedRows
 from . import hedgehog_native
 from .base import AttentionOptions, FeatureMap, Method
 from .registry import register
@@ -23,6 +24,7 @@ class HedgehogFeatureMap(FeatureMap):
 
     options_class = AttentionOptions  # no options of its own
     shared_qk = False
+    context_free = True
 
     def __init__(self, head_dim: int, num_heads: int, options: AttentionOptions | None = None, **overrides):
         super().__init__(head_dim, num_heads, options, **overrides)
@@ -32,6 +34,18 @@ class HedgehogFeatureMap(FeatureMap):
     @property
     def feature_dim(self) -> int:
         return 2 * self.head_dim
+
+    def feature_rows(self, *xs: torch.Tensor) -> tuple[ProducedRows, ...] | None:
+        """The features of each of ``xs`` made inside the core's native products, never stored: the logits
+        (``ops.products.affine_feature_rows``, one W per head) and their softmax pair
+        (``ops.exp_rows.softmax_pair_rows``), the same values to the bit as ``forward``'s native path. At
+        inference, where that path applies."""
+        if not (products.produced_rows_apply(*xs, *self.parameters())
+                and all(hedgehog_native.applies(x, self.weight, self.bias) for x in xs)):
+            return None
+        weight_t, bias = self.weight.transpose(1, 2).contiguous(), self.bias[:, 0]  # [H, d, d], [H, d]
+        return tuple(exp_rows.softmax_pair_rows(products.affine_feature_rows(x, weight_t, bias, relu=False))
+                     for x in xs)
 
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
         if hedgehog_native.applies(x, self.weight, self.bias):

@@ -18,6 +18,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Floats per vector: 16 where AVX-512 is there (the forward ran 1.2x faster than with 8, measured), else 8
@@ -167,4 +168,32 @@ void exp_minus_row_max(float *x, int64_t r0, int64_t r1, int64_t width, float of
 /* The rows [r0, r1) of x [rows, width], in place; row r takes shift[r / rows_per_shift]. */
 void exp_minus_shift(float *x, int64_t r0, int64_t r1, int64_t width, const float *shift, int64_t rows_per_shift) {
     for (int64_t r = r0; r < r1; ++r) exp_minus(x + r * width, width, shift[r / rows_per_shift]);
+}
+
+/* Hedgehog's features made a block of tokens at a time for ops/token_products.c's produced_* functions: the
+ * logits z [tn, d] from another maker (products' affine_rows, through its pointer), then softmax_pair_forward
+ * of the block. The same values to the bit as the stored features: the same logits, the same pass. */
+typedef void (*produce_rows)(const void *state, int64_t b, int64_t t0, int64_t tn, float *out);
+
+typedef struct {
+    produce_rows logits;
+    const void *logits_state;
+    int32_t d;
+} softmax_pair_rows_state_t;
+
+int softmax_pair_rows_state_size(void) { return (int)sizeof(softmax_pair_rows_state_t); }
+
+void softmax_pair_rows_state(softmax_pair_rows_state_t *s, produce_rows logits, const void *logits_state, int32_t d) {
+    s->logits = logits;
+    s->logits_state = logits_state;
+    s->d = d;
+}
+
+void softmax_pair_rows(const void *state, int64_t b, int64_t t0, int64_t tn, float *out) {
+    const softmax_pair_rows_state_t *s = state;
+    float *z = malloc(sizeof(float) * (size_t)(tn * s->d));
+    if (!z) abort(); /* a block's logits, a few tens of KB: without them the result would be wrong */
+    s->logits(s->logits_state, b, t0, tn, z);
+    softmax_pair_forward(z, 0, tn, s->d, out);
+    free(z);
 }

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from . import native
+from .products import ProducedRows
 
 SOURCE = Path(__file__).with_name("exp_rows.c")
 # Rows per thread chunk at the least: below that a hand-off costs more than the work.
@@ -28,7 +29,8 @@ _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_f
 NATIVE_SIGNATURES = {"softmax_pair_forward": [_P, _I64, _I64, _I32, _P],
                      "softmax_pair_backward": [_P, _P, _I64, _I64, _I32, _P],
                      "exp_minus_row_max": [_P, _I64, _I64, _I64, _F],
-                     "exp_minus_shift": [_P, _I64, _I64, _I64, _P, _I64]}
+                     "exp_minus_shift": [_P, _I64, _I64, _I64, _P, _I64],
+                     "softmax_pair_rows_state": [_P, _P, _P, _I32]}  # state, the logits' maker and its state, d
 
 
 def library() -> ctypes.CDLL | None:
@@ -69,6 +71,18 @@ def softmax_pair(z: torch.Tensor) -> torch.Tensor:
     lib = library()
     _over_rows(lambda r0, r1: lib.softmax_pair_forward(z.data_ptr(), r0, r1, d, out.data_ptr()), z.numel() // d)
     return out
+
+
+def softmax_pair_rows(logits: ProducedRows) -> ProducedRows:
+    """``softmax_pair`` of the logits that ``logits`` makes ([..., d], d a multiple of ``lanes()``), itself made a
+    block of tokens at a time inside the core's products (``ops.products.ProducedRows``; Hedgehog's features):
+    the same values to the bit as ``softmax_pair`` of the stored logits. Native only: check ``applies`` and
+    ``lanes()`` first."""
+    lib, d = library(), logits.shape[-1]
+    state = ctypes.create_string_buffer(lib.softmax_pair_rows_state_size())
+    lib.softmax_pair_rows_state(state, logits.function, ctypes.addressof(logits.state), d)
+    return ProducedRows(ctypes.cast(lib.softmax_pair_rows, ctypes.c_void_p).value, state,
+                        (*logits.shape[:-1], 2 * d), (logits,))
 
 
 def softmax_pair_reference(z: torch.Tensor) -> torch.Tensor:

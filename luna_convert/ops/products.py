@@ -33,8 +33,8 @@ NATIVE_SIGNATURES = {
     # the same with x made by a function instead of read (ProducedRows): function, state, then as above less x's
     "produced_transposed_product": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I32, _LAYOUT, _LAYOUT],
     "produced_product": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _LAYOUT, _LAYOUT],
-    # state, x, heads, x's strides (batch, head, token), d, D, W^T, b, relu
-    "affine_rows_state": [_P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _I32],
+    # state, x, heads, x's strides (batch, head, token), d, D, W^T, b, their strides per head, relu
+    "affine_rows_state": [_P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I32],
 }
 # Multiply-adds per thread chunk at the least: below that a hand-off costs more than the work.
 NATIVE_MIN_CHUNK = 1 << 18
@@ -203,15 +203,19 @@ def produced_product(rows: ProducedRows, w: torch.Tensor) -> torch.Tensor:
 
 def affine_feature_rows(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor, relu: bool) -> ProducedRows:
     """relu(x W^T + b) (or x W^T + b) for x [B, H, N, d] (float32, any strides but a last of 1), W^T [d, D] and
-    b [D] as ``ProducedRows`` [B, H, N, D]: made in the products, never stored (T2R's map). No gradients."""
+    b [D], or one per head ([H, d, D] and [H, D]), as ``ProducedRows`` [B, H, N, D]: made in the products,
+    never stored (T2R's map; Hedgehog's logits, ``exp_rows.softmax_pair_rows``). The same values to the bit
+    as ``product(x, W^T, b)``. No gradients."""
     b, h, n, d = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     weight_t, bias = weight_t.contiguous(), bias.contiguous()
-    columns = weight_t.shape[1]
+    columns = weight_t.shape[-1]
     lib = native_library()
     state = ctypes.create_string_buffer(lib.affine_rows_state_size())
+    per_head = weight_t.dim() == 3
     lib.affine_rows_state(state, x.data_ptr(), h, x.stride(0), x.stride(1), x.stride(2), d, columns,
-                          weight_t.data_ptr(), bias.data_ptr(), int(relu))
+                          weight_t.data_ptr(), bias.data_ptr(), d * columns if per_head else 0,
+                          columns if per_head else 0, int(relu))
     return ProducedRows(ctypes.cast(lib.affine_rows, ctypes.c_void_p).value, state, (b, h, n, columns),
                         (x, weight_t, bias))

@@ -273,11 +273,12 @@ void produced_product(produce_rows produce, const void *state, const float *w, f
 }
 
 /* Affine features relu(x W^T + b) (or without the relu) of a token's x [d], made a block of tokens at a time
- * for the produced_* functions above (T2R's map): x at any strides (its last 1), W^T [d, D] and b [D]
- * contiguous. The sums are the tile's, in depth order. */
+ * for the produced_* functions above (T2R's map; Hedgehog's logits, one W per head): x at any strides (its
+ * last 1), W^T [d, D] and b [D] contiguous, per head `weight_head` and `bias_head` floats apart (0: one for all).
+ * The sums are the tile's, in depth order, as `product` computes x W^T + b. */
 typedef struct {
     const float *x;
-    int64_t heads, stride_b, stride_h, stride_n, depth, columns;
+    int64_t heads, stride_b, stride_h, stride_n, depth, columns, weight_head, bias_head;
     const float *wt, *bias;
     int32_t relu;
 } affine_state_t;
@@ -286,7 +287,7 @@ int affine_rows_state_size(void) { return (int)sizeof(affine_state_t); }
 
 void affine_rows_state(affine_state_t *s, const float *x, int64_t heads, int64_t stride_b, int64_t stride_h,
                        int64_t stride_n, int64_t depth, int64_t columns, const float *wt, const float *bias,
-                       int32_t relu) {
+                       int64_t weight_head, int64_t bias_head, int32_t relu) {
     s->x = x;
     s->heads = heads;
     s->stride_b = stride_b;
@@ -296,6 +297,8 @@ void affine_rows_state(affine_state_t *s, const float *x, int64_t heads, int64_t
     s->columns = columns;
     s->wt = wt;
     s->bias = bias;
+    s->weight_head = weight_head;
+    s->bias_head = bias_head;
     s->relu = relu;
 }
 
@@ -304,18 +307,20 @@ void affine_rows(const void *state, int64_t b, int64_t t0, int64_t tn, float *ou
 #if LANES
     const affine_state_t *s = state;
     const int64_t d = s->depth, D = s->columns, ldx = s->stride_n, full = D / LANES;
-    const float *x = s->x + (b / s->heads) * s->stride_b + (b % s->heads) * s->stride_h + t0 * ldx;
+    const int64_t head = b % s->heads;
+    const float *x = s->x + (b / s->heads) * s->stride_b + head * s->stride_h + t0 * ldx;
+    const float *wt = s->wt + head * s->weight_head, *bias = s->bias + head * s->bias_head;
     for (int64_t r0 = 0; r0 < tn; r0 += TILE_ROWS) {
         const int rows = tn - r0 < TILE_ROWS ? (int)(tn - r0) : TILE_ROWS;
         for (int64_t v0 = 0; v0 < full; v0 += TILE_VECS) {
             const int vecs = full - v0 < TILE_VECS ? (int)(full - v0) : TILE_VECS;
-            tile_any(x + r0 * ldx, 1, ldx, s->wt + v0 * LANES, D, s->bias + v0 * LANES, 0, out + r0 * D + v0 * LANES,
-                     D, d, rows, vecs);
+            tile_any(x + r0 * ldx, 1, ldx, wt + v0 * LANES, D, bias + v0 * LANES, 0, out + r0 * D + v0 * LANES, D, d,
+                     rows, vecs);
         }
         for (int64_t r = r0; r < r0 + rows; ++r) /* the columns past the last full vector, one dot each */
             for (int64_t j = full * LANES; j < D; ++j) {
-                float acc = s->bias[j];
-                for (int64_t i = 0; i < d; ++i) acc += x[r * ldx + i] * s->wt[i * D + j];
+                float acc = bias[j];
+                for (int64_t i = 0; i < d; ++i) acc += x[r * ldx + i] * wt[i * D + j];
                 out[r * D + j] = acc;
             }
     }
