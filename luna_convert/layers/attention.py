@@ -215,10 +215,12 @@ class LinearAttention(nn.Module):
     def undivided_output(self, q, k, v, key_mask, context: AttentionContext,
                          produced_only: bool = False) -> torch.Tensor | None:
         """[phi(q) S | phi(q) z] (``ops.linear.linear_attention_unnormalised``) where dividing it later gives
-        ``linear_output``'s values to the bit: a feature map over the whole sequence at once (no window),
-        float32 on the CPU, no gradients, no autocast; else None. Where the maps offer ``feature_rows`` the
-        features are made inside the products and never stored (at any N: nothing to stream); otherwise (not
-        when ``produced_only``) they are stored, and None where they would be streamed."""
+        ``linear_output``'s values: a feature map over the whole sequence at once (no window), float32 on the
+        CPU, no gradients, no autocast; else None. Where the maps offer ``feature_rows`` the features are made
+        inside the products and never stored (at any N: nothing to stream; the same values to the bit where
+        the maker repeats the stored map's float operations, else to float32 rounding: T2R, Taylor and LLoPS,
+        tests/test_produced_rows.py); otherwise (not when ``produced_only``) they are stored, the values to
+        the bit, and None where they would be streamed."""
         if (self.kernel is not None or self.window or v.dtype != torch.float32 or v.device.type != "cpu"
                 or torch.is_autocast_enabled("cpu") or self.needs_grad(q, k, v)):
             return None
