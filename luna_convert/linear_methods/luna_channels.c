@@ -431,15 +431,9 @@ void luna_rows_state(rows_state_t *s, const float *x, int64_t heads, int64_t tok
                      int64_t stride_n, int32_t d, const float *wt, const float *bias, int32_t M, int32_t L, int mapping,
                      float low, float scale, int32_t cells, int32_t most, const int32_t *start, const float *kpad,
                      const float *slope, const float *intercept, float eps) {
-    const projection_t p = {x, heads, tokens, stride_b, stride_h, stride_n, d, wt, bias};
-    const grid_t g = {mapping, low, scale, cells, most, start, kpad};
-    s->p = p;
-    s->g = g;
-    s->slope = slope;
-    s->intercept = intercept;
-    s->eps = eps;
-    s->M = M;
-    s->L = L;
+    const rows_state_t state = {{x, heads, tokens, stride_b, stride_h, stride_n, d, wt, bias},
+                                {mapping, low, scale, cells, most, start, kpad}, slope, intercept, eps, M, L};
+    *s = state;
 }
 
 /* The features [tn, M L] of tokens [t0, t0 + tn) of batch entry b (b = batch * heads + head). */

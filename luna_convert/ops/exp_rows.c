@@ -184,9 +184,8 @@ typedef struct {
 int softmax_pair_rows_state_size(void) { return (int)sizeof(softmax_pair_rows_state_t); }
 
 void softmax_pair_rows_state(softmax_pair_rows_state_t *s, produce_rows logits, const void *logits_state, int32_t d) {
-    s->logits = logits;
-    s->logits_state = logits_state;
-    s->d = d;
+    const softmax_pair_rows_state_t state = {logits, logits_state, d};
+    *s = state;
 }
 
 void softmax_pair_rows(const void *state, int64_t b, int64_t t0, int64_t tn, float *out) {

@@ -24,17 +24,9 @@ int pair_rows_state_size(void) { return (int)sizeof(pair_state_t); }
 void pair_rows_state(pair_state_t *s, const float *x, int64_t heads, int64_t stride_b, int64_t stride_h,
                      int64_t stride_n, int32_t width, int32_t constant, int32_t linear, float linear_scale,
                      float square_scale, float pair_scale) {
-    s->x = x;
-    s->heads = heads;
-    s->stride_b = stride_b;
-    s->stride_h = stride_h;
-    s->stride_n = stride_n;
-    s->width = width;
-    s->constant = constant;
-    s->linear = linear;
-    s->linear_scale = linear_scale;
-    s->square_scale = square_scale;
-    s->pair_scale = pair_scale;
+    const pair_state_t state = {x, heads, stride_b, stride_h, stride_n, width, constant, linear, linear_scale,
+                                square_scale, pair_scale};
+    *s = state;
 }
 
 /* The features [tn, D] of tokens [t0, t0 + tn) of batch entry b (b = batch * heads + head). */

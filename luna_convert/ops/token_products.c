@@ -288,18 +288,9 @@ int affine_rows_state_size(void) { return (int)sizeof(affine_state_t); }
 void affine_rows_state(affine_state_t *s, const float *x, int64_t heads, int64_t stride_b, int64_t stride_h,
                        int64_t stride_n, int64_t depth, int64_t columns, const float *wt, const float *bias,
                        int64_t weight_head, int64_t bias_head, int32_t relu) {
-    s->x = x;
-    s->heads = heads;
-    s->stride_b = stride_b;
-    s->stride_h = stride_h;
-    s->stride_n = stride_n;
-    s->depth = depth;
-    s->columns = columns;
-    s->wt = wt;
-    s->bias = bias;
-    s->weight_head = weight_head;
-    s->bias_head = bias_head;
-    s->relu = relu;
+    const affine_state_t state = {x, heads, stride_b, stride_h, stride_n, depth, columns, weight_head, bias_head,
+                                  wt, bias, relu};
+    *s = state;
 }
 
 /* The features [tn, D] of tokens [t0, t0 + tn) of batch entry b (b = batch * heads + head). */
