@@ -135,7 +135,8 @@ def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) 
 @dataclass(frozen=True)
 class ProducedRows:
     """An operand x [B, H, N, D] (or [H, N, D]) that the native products make a block of tokens at a time, in
-    cache, instead of reading it from memory: LUNA's features, which then never go to memory at all.
+    cache, instead of reading it from memory: a map's features (``FeatureMap.feature_rows``), which then never
+    go to memory at all.
 
     ``function`` is the address of a C function ``void f(const void *state, int64_t b, int64_t t0, int64_t
     tn, float *out)`` that writes the rows [t0, t0 + tn) of batch entry b (b = batch index x H + head) to out
