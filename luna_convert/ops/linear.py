@@ -148,9 +148,10 @@ def produced_attention_unnormalised(query_rows: products.ProducedRows, key_rows:
                                     v: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``linear_attention_unnormalised`` of features that the native products make block by block
     (``products.ProducedRows``), so that neither phi_q nor phi_k is ever in memory: float32 v [B, H, N, d] on
-    the CPU, no gradients. The products run the same loops as on stored features, so the sums are those of
-    ``linear_attention_unnormalised`` to the bit wherever the maker's features are the stored ones to the bit
-    (LUNA's, Hedgehog's, Taylor's and LLoPS's makers; T2R's rounds its projection in another order)."""
+    the CPU, no gradients. The products run the same loops as on stored features, so the sums are those of the
+    native products of the stored features to the bit wherever the maker's features are the stored ones to
+    the bit: LUNA's, Hedgehog's, Taylor's and LLoPS's makers (the last two store theirs feature-major, which
+    took ``torch.bmm``); T2R's rounds its projection in another order."""
     keep = _keys_kept(key_mask)
     kvz = products.produced_transposed_product(key_rows, _values_kept(v, keep), with_sum=keep is None)
     return products.produced_product(query_rows, kvz)
