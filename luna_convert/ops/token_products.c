@@ -108,7 +108,9 @@ static void tile_any(const float *a, int64_t a_step, int64_t a_row, const float 
     case 2: TILE_CASES(2) break;
     case 3: TILE_CASES(3) break;
     case 4: TILE_CASES(4) break;
+#if TILE_ROWS > 5 /* not in the AVX2 build (4 rows): a 5-row tile would overrun its accumulators */
     case 5: TILE_CASES(5) break;
+#endif
     default: TILE_CASES(TILE_ROWS) break;
     }
 }
@@ -138,7 +140,9 @@ static void dots_tile_any(const float *x, int64_t ldx, const float *w, float bia
     case 2: dots_tile(x, ldx, w, bias, c, ldc, depth, 2); break;
     case 3: dots_tile(x, ldx, w, bias, c, ldc, depth, 3); break;
     case 4: dots_tile(x, ldx, w, bias, c, ldc, depth, 4); break;
+#if TILE_ROWS > 5
     case 5: dots_tile(x, ldx, w, bias, c, ldc, depth, 5); break;
+#endif
     default: dots_tile(x, ldx, w, bias, c, ldc, depth, TILE_ROWS); break;
     }
 }
