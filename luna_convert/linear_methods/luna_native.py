@@ -142,7 +142,6 @@ def native_feature_rows(x: torch.Tensor, weight_t: torch.Tensor | None, bias: to
     ``native_channel_features(x, ...)`` of a u [B, H, N, M]) returns, as ``ops.products.ProducedRows``: made a
     block of tokens at a time inside the core's native products, the same values to the bit, never stored.
     float32 inputs on the CPU; no gradients."""
-    lib = library()
     b, h, n, d = x.shape
     if weight_t is None:
         x = x.contiguous()  # the kernel reads u as [B H N, M]
@@ -154,7 +153,5 @@ def native_feature_rows(x: torch.Tensor, weight_t: torch.Tensor | None, bias: to
         layout = [x.data_ptr(), h, n, x.stride(0), x.stride(1), x.stride(2), d, weight_t.data_ptr(), bias.data_ptr()]
     slope, intercept = slope.contiguous(), intercept.contiguous()
     head = _shared_args(projections, slope, intercept, grid, -1.0 if norm_eps is None else float(norm_eps))
-    state = ctypes.create_string_buffer(lib.luna_rows_state_size())
-    lib.luna_rows_state(state, *layout, *head)
-    return ProducedRows(ctypes.cast(lib.luna_rows, ctypes.c_void_p).value, state,
-                        (b, h, n, projections * slope.shape[1]), (x, weight_t, bias, slope, intercept, *grid))
+    return ProducedRows.made_by(library(), "luna_rows", (b, h, n, projections * slope.shape[1]),
+                                (x, weight_t, bias, slope, intercept, *grid), *layout, *head)

@@ -52,7 +52,7 @@ class T2RFeatureMap(FeatureMap):
         (``ops.products.affine_feature_rows``): at inference, float32 on the CPU."""
         if not products.produced_rows_apply(*xs, *self.parameters()):
             return None
-        weight_t = self.proj.weight.t()
+        weight_t = self.proj.weight.t().contiguous()  # once for queries and keys
         bias = self.proj.bias if self.proj.bias is not None else weight_t.new_zeros(weight_t.shape[1])
         return tuple(products.affine_feature_rows(x, weight_t, bias, relu=True) for x in xs)
 

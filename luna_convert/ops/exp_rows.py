@@ -78,11 +78,9 @@ def softmax_pair_rows(logits: ProducedRows) -> ProducedRows:
     block of tokens at a time inside the core's products (``ops.products.ProducedRows``; Hedgehog's features):
     the same values to the bit as ``softmax_pair`` of the stored logits. Native only: check ``applies`` and
     ``lanes()`` first."""
-    lib, d = library(), logits.shape[-1]
-    state = ctypes.create_string_buffer(lib.softmax_pair_rows_state_size())
-    lib.softmax_pair_rows_state(state, logits.function, ctypes.addressof(logits.state), d)
-    return ProducedRows(ctypes.cast(lib.softmax_pair_rows, ctypes.c_void_p).value, state,
-                        (*logits.shape[:-1], 2 * d), (logits,))
+    d = logits.shape[-1]
+    return ProducedRows.made_by(library(), "softmax_pair_rows", (*logits.shape[:-1], 2 * d), (logits,),
+                                logits.function, ctypes.addressof(logits.state), d)
 
 
 def softmax_pair_reference(z: torch.Tensor) -> torch.Tensor:

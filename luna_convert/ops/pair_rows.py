@@ -41,10 +41,7 @@ def pair_feature_rows(x: torch.Tensor, square_scale: float, pair_scale: float, c
     b, h, n, width = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    lib = library()
-    state = ctypes.create_string_buffer(lib.pair_rows_state_size())
     linear = linear_scale is not None
-    lib.pair_rows_state(state, x.data_ptr(), h, x.stride(0), x.stride(1), x.stride(2), width, int(constant),
-                        int(linear), linear_scale if linear else 0.0, square_scale, pair_scale)
-    return ProducedRows(ctypes.cast(lib.pair_rows, ctypes.c_void_p).value, state,
-                        (b, h, n, pair_feature_count(width, constant, linear)), (x,))
+    return ProducedRows.made_by(library(), "pair_rows", (b, h, n, pair_feature_count(width, constant, linear)), (x,),
+                                x.data_ptr(), h, x.stride(0), x.stride(1), x.stride(2), width, int(constant),
+                                int(linear), linear_scale if linear else 0.0, square_scale, pair_scale)

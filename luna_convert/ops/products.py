@@ -148,6 +148,14 @@ class ProducedRows:
     shape: tuple[int, ...]
     keep: tuple = ()
 
+    @classmethod
+    def made_by(cls, lib: ctypes.CDLL, maker: str, shape, keep: tuple, *state_args) -> "ProducedRows":
+        """The rows that the C function ``maker`` of ``lib`` makes, its state a buffer of ``<maker>_state_size()``
+        bytes set by ``<maker>_state(state, *state_args)`` (the convention of every maker)."""
+        state = ctypes.create_string_buffer(getattr(lib, f"{maker}_state_size")())
+        getattr(lib, f"{maker}_state")(state, *state_args)
+        return cls(ctypes.cast(getattr(lib, maker), ctypes.c_void_p).value, state, tuple(shape), tuple(keep))
+
 
 def produced_rows_apply(*tensors: torch.Tensor) -> bool:
     """Whether a map may hand these (its inputs and parameters) to the products as ``ProducedRows``: float32
@@ -211,12 +219,7 @@ def affine_feature_rows(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Ten
     if x.stride(-1) != 1:
         x = x.contiguous()
     weight_t, bias = weight_t.contiguous(), bias.contiguous()
-    columns = weight_t.shape[-1]
-    lib = native_library()
-    state = ctypes.create_string_buffer(lib.affine_rows_state_size())
-    per_head = weight_t.dim() == 3
-    lib.affine_rows_state(state, x.data_ptr(), h, x.stride(0), x.stride(1), x.stride(2), d, columns,
-                          weight_t.data_ptr(), bias.data_ptr(), d * columns if per_head else 0,
-                          columns if per_head else 0, int(relu))
-    return ProducedRows(ctypes.cast(lib.affine_rows, ctypes.c_void_p).value, state, (b, h, n, columns),
-                        (x, weight_t, bias))
+    columns, per_head = weight_t.shape[-1], weight_t.dim() == 3
+    return ProducedRows.made_by(native_library(), "affine_rows", (b, h, n, columns), (x, weight_t, bias), x.data_ptr(),
+                                h, x.stride(0), x.stride(1), x.stride(2), d, columns, weight_t.data_ptr(),
+                                bias.data_ptr(), d * columns if per_head else 0, columns if per_head else 0, int(relu))
