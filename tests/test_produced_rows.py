@@ -19,16 +19,18 @@ from conftest import NATIVE_BUILDS, this_cpu_or_avx2
 from luna_convert.layers.attention import LinearAttention
 from luna_convert.linear_methods import luna_native
 from luna_convert.ops import exp_rows, native, pair_rows, products
+from luna_convert.ops.context import AttentionContext
 
 PAPER = dict(projections=8, channels=8, per_head_projections=False, projection_init="random",
              channel_init="random", feature_norm="none", separate_key_map=False)
 # The makers that repeat the stored forward's float operations (the same features to the bit); T2R's sums its
 # projection in the products' tile order, not MKL's.
-SAME_FEATURES = {"luna", "taylor", "llops", "hedgehog"}
+SAME_FEATURES = {"luna", "taylor", "llops", "hedgehog", "relu", "cosformer"}
 FORMS = {"paper": ("luna", PAPER), "defaults": ("luna", {}), "taylor": ("taylor", {}),
          "taylor, projected": ("taylor", {"project_dim": 5}), "llops": ("llops", {"rank": 6}),
          "llops, homogeneous": ("llops", {"rank": 5, "homogeneous": True, "qk_norm": True}),
-         "t2r": ("t2r", {}), "t2r, 20 features": ("t2r", {"feature_dim": 20}), "hedgehog": ("hedgehog", {})}
+         "t2r": ("t2r", {}), "t2r, 20 features": ("t2r", {"feature_dim": 20}), "hedgehog": ("hedgehog", {}),
+         "relu": ("relu", {}), "elu": ("elu", {}), "cosformer": ("cosformer", {})}
 
 
 @pytest.fixture(params=NATIVE_BUILDS)
@@ -114,10 +116,10 @@ def test_layer_output_is_the_same_to_the_bit(library, monkeypatch, form, masked,
     with torch.no_grad():
         out = with_threads(threads, lambda: layer(q, k, v, key_mask=mask))
         assert made, "the produced rows were not used"
-        monkeypatch.setattr(layer, "feature_rows", lambda q, k: None)
+        monkeypatch.setattr(layer, "feature_rows", lambda *args: None)
         stored = with_threads(threads, lambda: layer(q, k, v, key_mask=mask))
     assert len(made) == 1
-    if FORMS[form][0] in ("luna", "hedgehog"):  # the same features, and the native products both ways
+    if FORMS[form][0] in ("luna", "hedgehog", "relu", "cosformer"):  # the same features, the native products both ways
         assert torch.equal(out, stored)
     else:
         # Taylor's and LLoPS's stored features take torch.bmm (feature-major), which sums in another order, and
@@ -128,7 +130,7 @@ def test_layer_output_is_the_same_to_the_bit(library, monkeypatch, form, masked,
         assert made_error <= 2 * stored_error + 1e-6, (made_error, stored_error)
 
 
-@pytest.mark.parametrize("form", ["defaults", "taylor", "llops"])
+@pytest.mark.parametrize("form", ["defaults", "taylor", "llops", "relu", "elu", "cosformer"])
 def test_long_inputs_take_the_produced_rows_instead_of_streaming(library, monkeypatch, form):
     import luna_convert.layers.attention as attention
 
@@ -141,7 +143,7 @@ def test_long_inputs_take_the_produced_rows_instead_of_streaming(library, monkey
     with torch.no_grad():
         out = layer(q, k, v)
         assert not streamed
-        monkeypatch.setattr(layer, "feature_rows", lambda q, k: None)
+        monkeypatch.setattr(layer, "feature_rows", lambda *args: None)
         torch.testing.assert_close(out, layer(q, k, v), rtol=0, atol=1e-6)
         assert streamed
 
@@ -158,12 +160,12 @@ def test_rows_are_offered_only_where_they_apply(library):
         assert layer.feature_rows(q.clone().requires_grad_(), q) is None  # a gradient is recorded for q
         if list(layer.parameters()):
             assert layer.feature_rows(q, q) is None  # and for the map's parameters
-        else:  # Taylor's map without its projection has none
+        else:  # Taylor's map without its projection has none, nor have the fixed maps
             assert layer.feature_rows(q, q) is not None
     with torch.no_grad():
         assert layer_of("paper", envelope=True).feature_rows(q, q) is None  # a gate the native pass lacks
-        relu = LinearAttention("relu", 16, 3, 0.25).eval()
-        assert relu.feature_rows(q, q) is None  # a map that offers no rows
+        performer = LinearAttention("performer", 16, 3, 0.25).eval()
+        assert performer.feature_rows(q, q) is None  # a map that offers no rows
 
 
 def test_produced_products_check_their_operands(library):
@@ -177,3 +179,47 @@ def test_produced_products_check_their_operands(library):
         products.produced_transposed_product(rows, torch.randn(1, 3, 20, 16, dtype=torch.float64))
     with pytest.raises(ValueError, match="rows"):
         products.produced_product(rows, torch.randn(1, 3, 7, 16))
+
+
+@pytest.mark.parametrize("method", ["relu", "elu", "cosformer"])
+@pytest.mark.parametrize("head_dim", [7, 16, 20, 33])  # a partial vector only; whole vectors (16, or 2 x 8); both
+@pytest.mark.parametrize("masked", [False, True])
+def test_pointwise_rows_are_the_maps_features(exp_rows_library, method, head_dim, masked):
+    """``exp_rows.pointwise_feature_rows`` (ReLU's, ELU's and cosFormer's makers), read back through a product
+    with the identity (exact for finite features: each sum adds zeros to one product by 1), against the map's
+    forward: the same to the bit, ELU's to its exp's rounding; a NaN input keeps its token's features NaN."""
+    if products.native_library() is None:
+        pytest.skip(products.native_status())
+    layer = LinearAttention(method, head_dim, 3, head_dim**-0.5).eval()
+    q = heads_split(2, 3, 300, head_dim, 1)
+    q[0, 1, 5, head_dim // 2] = float("nan")
+    mask = torch.rand(2, 300, generator=torch.Generator().manual_seed(4)) > 0.3 if masked else None
+    context = AttentionContext(mask, 300)
+    with torch.no_grad():
+        (rows,) = layer.phi_q.feature_rows(q, context=context)
+        stored = layer.phi_q(q, context)
+        width = stored.shape[-1]
+        made = products.produced_product(rows, torch.eye(width).expand(2, 3, width, width))
+    nan_rows = stored.isnan().any(-1)
+    assert nan_rows.sum() == 1 and made.isnan().all(-1).equal(nan_rows)
+    made, stored = made[~nan_rows], stored[~nan_rows]
+    if method == "elu":
+        torch.testing.assert_close(made, stored, rtol=5e-7, atol=0)
+    else:
+        assert torch.equal(made, stored)
+
+
+def test_cosformer_rows_leave_prefix_tokens_to_the_stored_path(library):
+    """Position-neutral prefix tokens (ViT's CLS) take blocks of their own: no rows; without the option, one
+    raster index over all tokens, and rows again, with the same output to the bit."""
+    q, k, v = (heads_split(1, 3, 17, 16, seed) for seed in (1, 2, 3))
+    with torch.no_grad():
+        neutral = LinearAttention("cosformer", 16, 3, 0.25).eval()
+        assert neutral(q, k, v, num_prefix=1).shape == v.shape
+        assert neutral.feature_rows(q, k, AttentionContext(None, 17, num_prefix=1)) is None
+        raster = LinearAttention("cosformer", 16, 3, 0.25, prefix_neutral=False).eval()
+        context = AttentionContext(None, 17, num_prefix=1)
+        assert raster.feature_rows(q, k, context) is not None
+        out = raster(q, k, v, num_prefix=1)
+        raster.feature_rows = lambda *args: None
+        assert torch.equal(out, raster(q, k, v, num_prefix=1))

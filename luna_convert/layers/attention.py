@@ -224,17 +224,21 @@ class LinearAttention(nn.Module):
         if (self.kernel is not None or self.window or v.dtype != torch.float32 or v.device.type != "cpu"
                 or torch.is_autocast_enabled("cpu") or self.needs_grad(q, k, v)):
             return None
-        rows = self.feature_rows(q, k)
+        rows = self.feature_rows(q, k, context)
         if rows is not None:
             return produced_attention_unnormalised(*rows, v, key_mask)
         if produced_only or self.stream_chunk(v.shape[0], v.shape[2], training=False) is not None:
             return None
         return linear_attention_unnormalised(*self.features(q, k, context), v, key_mask)
 
-    def feature_rows(self, q: torch.Tensor, k: torch.Tensor):
-        """(queries', keys') ``FeatureMap.feature_rows``, or None unless a context-free map offers both."""
-        if not self.phi_q.context_free:
-            return None
+    def feature_rows(self, q: torch.Tensor, k: torch.Tensor, context: AttentionContext | None = None):
+        """(queries', keys') ``FeatureMap.feature_rows``, or None unless the maps offer both."""
+        if not self.phi_q.context_free:  # each side with its own context (a shared map's role)
+            context = AttentionContext(None, q.shape[2]) if context is None else context
+            q_rows = self.phi_q.feature_rows(self.query_input(q), context=context)
+            k_map = self.phi_q if self.phi_k is None else self.phi_k
+            k_rows = None if q_rows is None else k_map.feature_rows(k, context=context.for_role("key"))
+            return None if k_rows is None else (*q_rows, *k_rows)
         if self.phi_k is None:  # one call: one look-up of a shared map's tables
             return self.phi_q.feature_rows(self.query_input(q), k)
         q_rows = self.phi_q.feature_rows(self.query_input(q))

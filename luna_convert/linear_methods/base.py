@@ -176,9 +176,11 @@ class FeatureMap(MethodCore, abc.ABC):
         something from its parameters first (LUNA's channel tables) does that once for all."""
         return tuple(self(x) for x in xs)
 
-    def feature_rows(self, *xs: torch.Tensor) -> tuple[ProducedRows, ...] | None:
+    def feature_rows(self, *xs: torch.Tensor,
+                     context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
         """The features of each of ``xs`` as ``ops.products.ProducedRows`` (made inside the core's native
-        products, never stored), or None: the layer then stores them. Only a context-free map offers them."""
+        products, never stored), or None: the layer then stores them. A map that is not ``context_free`` is
+        given one x at a time with its ``context`` (the layer's, its role set)."""
         return None
 
 

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..ops import exp_rows, products
 from ..ops.context import AttentionContext
+from ..ops.products import ProducedRows
 from .base import AttentionOptions, FeatureMap, Method, option
 from .registry import register
 
@@ -66,20 +68,41 @@ class CosformerFeatureMap(FeatureMap):
     def feature_dim(self) -> int:
         return 2 * self.head_dim  # 4 * head_dim on inputs with prefix tokens when prefix_neutral
 
-    def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
-        if context is None:
-            context = AttentionContext(None, x.shape[2])
-        feats = F.relu(x)
-        prefix = context.num_prefix if self.options.prefix_neutral else 0
+    def prefix(self, context: AttentionContext) -> int:
+        """The position-neutral prefix tokens of this call (0: every token takes a position)."""
+        return context.num_prefix if self.options.prefix_neutral else 0
+
+    def position_trig(self, context: AttentionContext, prefix: int, device: torch.device,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """[sin, cos] of each token of the context's view, [B or 1, n, 2] (``_position_trig``)."""
         if context.key_mask is None and not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
             # The same table for every unpadded call of this length (queries and keys, every layer): about
             # fifteen small operator calls per map saved. Not under inference_mode, whose tensors could not
             # be saved for a later backward; compiled code computes it in the graph.
-            trig = _unpadded_trig(context.view.start, context.view.stop, context.tokens, prefix, x.device, feats.dtype)
-        else:
-            lengths = context.lengths
-            length = torch.full((1,), context.tokens, device=x.device) if lengths is None else lengths.to(x.device)
-            trig = _position_trig(context.positions(x.device), length, prefix, feats.dtype)
+            return _unpadded_trig(context.view.start, context.view.stop, context.tokens, prefix, device, dtype)
+        lengths = context.lengths
+        length = torch.full((1,), context.tokens, device=device) if lengths is None else lengths.to(device)
+        return _position_trig(context.positions(device), length, prefix, dtype)
+
+    def feature_rows(self, *xs: torch.Tensor,
+                     context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
+        """The features of each of ``xs`` (all with this ``context``) made inside the core's native products,
+        never stored (``ops.exp_rows.pointwise_feature_rows``, the same values to the bit): at inference,
+        float32 on the CPU, on inputs without position-neutral prefix tokens (those take [f s, f c, f, 0]-form
+        blocks, stored)."""
+        if context is None:
+            context = AttentionContext(None, xs[0].shape[2])
+        if not (products.produced_rows_apply(*xs) and exp_rows.library() is not None and self.prefix(context) == 0):
+            return None
+        trig = self.position_trig(context, 0, xs[0].device, torch.float32)
+        return tuple(exp_rows.pointwise_feature_rows(x, "cosformer", trig) for x in xs)
+
+    def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
+        if context is None:
+            context = AttentionContext(None, x.shape[2])
+        feats = F.relu(x)
+        prefix = self.prefix(context)
+        trig = self.position_trig(context, prefix, x.device, feats.dtype)
         # [f s | f c] in one product over a [2, d] view: no half-size products to concatenate
         weighted = (feats.unsqueeze(-2) * trig[:, None, :, :, None]).flatten(-2)  # [B, H, n, 2d]
         if not prefix:

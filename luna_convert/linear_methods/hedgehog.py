@@ -35,7 +35,8 @@ class HedgehogFeatureMap(FeatureMap):
     def feature_dim(self) -> int:
         return 2 * self.head_dim
 
-    def feature_rows(self, *xs: torch.Tensor) -> tuple[ProducedRows, ...] | None:
+    def feature_rows(self, *xs: torch.Tensor,
+                     context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
         """The features of each of ``xs`` made inside the core's native products, never stored: the logits
         (``ops.products.affine_feature_rows``, one W per head) and their softmax pair
         (``ops.exp_rows.softmax_pair_rows``), the same values to the bit as ``forward``'s native path. At

@@ -107,7 +107,8 @@ class LLoPSFeatureMap(FeatureMap):
         projections = torch.bmm(x_heads, weight) if bias is None else torch.baddbmm(bias, x_heads, weight)
         return (projections.view(h, b, n, -1, r).prod(dim=-2) * r**-0.5).permute(1, 0, 2, 3)
 
-    def feature_rows(self, *xs: torch.Tensor) -> tuple[ProducedRows, ...] | None:
+    def feature_rows(self, *xs: torch.Tensor,
+                     context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
         """The features of each of ``xs`` made inside the core's native products from the sketch, never stored
         (``ops.pair_rows``: the diagonal psi_l psi_l, the rest (psi_l sqrt(2)) psi_m, as ``sketch_features``
         computes them): at inference, float32 on the CPU, where the library is built."""

@@ -312,7 +312,8 @@ class LunaFeatureMap(FeatureMap):
             channels = [self.psi(u) / math.sqrt(self.projections) for u in us]  # [B, H, N, M, L] each
         return tuple(self.finish(feats, x) for feats, x in zip(channels, xs))
 
-    def feature_rows(self, *xs: torch.Tensor) -> tuple[ProducedRows, ...] | None:
+    def feature_rows(self, *xs: torch.Tensor,
+                     context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
         """The features of each of ``xs`` as the native products take them, made block by block and never
         stored (``luna_kernel.channel_feature_rows``): at inference, where the fused native pass of ``each``
         applies."""

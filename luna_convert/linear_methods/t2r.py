@@ -47,7 +47,8 @@ class T2RFeatureMap(FeatureMap):
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
         return F.relu(self.proj(x))
 
-    def feature_rows(self, *xs: torch.Tensor) -> tuple[ProducedRows, ...] | None:
+    def feature_rows(self, *xs: torch.Tensor,
+                     context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
         """The features of each of ``xs`` made inside the core's native products, never stored
         (``ops.products.affine_feature_rows``): at inference, float32 on the CPU."""
         if not products.produced_rows_apply(*xs, *self.parameters()):

@@ -89,7 +89,8 @@ class TaylorFeatureMap(FeatureMap):
         x = x.to(compute)
         return x if self.projection is None else torch.matmul(x, self.projection.to(compute))
 
-    def feature_rows(self, *xs: torch.Tensor) -> tuple[ProducedRows, ...] | None:
+    def feature_rows(self, *xs: torch.Tensor,
+                     context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
         """The features of each of ``xs`` made inside the core's native products, never stored
         (``ops.pair_rows``): at inference, float32 on the CPU, where the library is built."""
         if not (products.produced_rows_apply(*xs, *self.parameters()) and pair_rows.library() is not None):

@@ -8,6 +8,8 @@
  *     exp_minus_shift:       x[r] = e(x[r] - shift[r / rows_per_shift]), in place, rows of any width
  *                            (positive random features: a query's stabiliser is its row's max, a key's one
  *                            value per example and head)
+ *     softmax_pair_rows, pointwise_rows: features made a block of tokens at a time inside the core's products
+ *                            (Hedgehog's; ReLU's, ELU + 1's, cosFormer's), below
  *
  * Plain C99 with GCC/Clang vector extensions, no PyTorch headers, compiled on first use by ops/native.py.
  * e is exp_lanes below: exp of r <= 0 to within a few float32 rounding errors (torch's own exp is also a
@@ -195,4 +197,62 @@ void softmax_pair_rows(const void *state, int64_t b, int64_t t0, int64_t tn, flo
     s->logits(s->logits_state, b, t0, tn, z);
     softmax_pair_forward(z, 0, tn, s->d, out);
     free(z);
+}
+
+/* The fixed elementwise feature maps made a block of tokens at a time for ops/token_products.c's produced_*
+ * functions, of a token's x [w]:
+ *
+ *     POINTWISE_RELU       relu(x)                            [w]     (ReLU's map)
+ *     POINTWISE_ELU        e(x - relu(x)) + relu(x)           [w]     (elu(x) + 1, as ELU's map computes it)
+ *     POINTWISE_COSFORMER  [relu(x) s, relu(x) c]             [2 w]   (s, c: the token's row of a table)
+ *
+ * each float operation that of the map's PyTorch forward, so that ReLU's and cosFormer's features are the
+ * stored ones to the bit, and ELU's to e's rounding (torch's exp is another approximation). relu keeps NaN,
+ * as torch.relu does. */
+enum { POINTWISE_RELU = 0, POINTWISE_ELU = 1, POINTWISE_COSFORMER = 2 };
+
+typedef struct {
+    const float *x; /* [B, H, N, w] at these strides (floats), the last 1 */
+    int64_t heads, stride_b, stride_h, stride_n;
+    int32_t width, kind;
+    const float *trig;     /* POINTWISE_COSFORMER: (sin, cos) per token, [B or 1, N, 2] */
+    int64_t trig_stride_b; /* floats between examples' tables; 0: one table for all */
+} pointwise_rows_state_t;
+
+int pointwise_rows_state_size(void) { return (int)sizeof(pointwise_rows_state_t); }
+
+void pointwise_rows_state(pointwise_rows_state_t *s, const float *x, int64_t heads, int64_t stride_b,
+                          int64_t stride_h, int64_t stride_n, int32_t width, int32_t kind, const float *trig,
+                          int64_t trig_stride_b) {
+    const pointwise_rows_state_t state = {x, heads, stride_b, stride_h, stride_n, width, kind, trig, trig_stride_b};
+    *s = state;
+}
+
+/* The features [tn, w or 2 w] of tokens [t0, t0 + tn) of batch entry b (b = batch * heads + head). */
+void pointwise_rows(const void *state, int64_t b, int64_t t0, int64_t tn, float *out) {
+    const pointwise_rows_state_t *s = state;
+    const int32_t w = s->width, kind = s->kind;
+    const int64_t example = b / s->heads, width_out = kind == POINTWISE_COSFORMER ? 2 * (int64_t)w : w;
+    const float *x0 = s->x + example * s->stride_b + (b % s->heads) * s->stride_h;
+    const float *trig = kind == POINTWISE_COSFORMER ? s->trig + example * s->trig_stride_b + 2 * t0 : 0;
+    for (int64_t t = 0; t < tn; ++t) {
+        const float *x = x0 + (t0 + t) * s->stride_n;
+        float *o = out + t * width_out;
+        const vf sine = trig ? splat(trig[2 * t]) : splat(0.0f), cosine = trig ? splat(trig[2 * t + 1]) : splat(0.0f);
+        for (int32_t c = 0; c < w; c += LANES) {
+            const int64_t count = w - c < LANES ? w - c : LANES;
+            const vf v = count == LANES ? load(x + c) : load_partial(x + c, count, 0.0f);
+            const vf r = select(v < splat(0.0f), splat(0.0f), v); /* NaN < 0 is false: NaN stays */
+            vf first = r, second = r;
+            if (kind == POINTWISE_ELU) first = exp_lanes(v - r) + r;
+            if (kind == POINTWISE_COSFORMER) first = r * sine, second = r * cosine;
+            if (count == LANES) {
+                store(o + c, first);
+                if (kind == POINTWISE_COSFORMER) store(o + w + c, second);
+            } else {
+                store_partial(o + c, first, count);
+                if (kind == POINTWISE_COSFORMER) store_partial(o + w + c, second, count);
+            }
+        }
+    }
 }

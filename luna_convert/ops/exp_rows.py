@@ -1,7 +1,8 @@
 """Exponentials of rows in one pass per row, natively (``exp_rows.c``), with each function's PyTorch reference
 beside it: Hedgehog's pair of softmaxes [softmax(z), softmax(-z)] and its backward, and the stabilised
 exps of positive random features (Performer, Flexformer's positive variant), exp(x - its row's max) and
-exp(x - a given shift), in place.
+exp(x - a given shift), in place. Also the fixed elementwise maps' features (ReLU, ELU + 1, cosFormer: ELU's
+needs the exp) made inside the core's products (``pointwise_feature_rows``).
 
 In PyTorch each of these is three to five calls, each a pass over the rows in memory (for the softmax pair:
 two softmaxes, the negation between them, the cat; for the stabilised exp: the max, the subtraction, the
@@ -30,7 +31,11 @@ NATIVE_SIGNATURES = {"softmax_pair_forward": [_P, _I64, _I64, _I32, _P],
                      "softmax_pair_backward": [_P, _P, _I64, _I64, _I32, _P],
                      "exp_minus_row_max": [_P, _I64, _I64, _I64, _F],
                      "exp_minus_shift": [_P, _I64, _I64, _I64, _P, _I64],
-                     "softmax_pair_rows_state": [_P, _P, _P, _I32]}  # state, the logits' maker and its state, d
+                     "softmax_pair_rows_state": [_P, _P, _P, _I32],  # state, the logits' maker and its state, d
+                     # state, x, heads, x's strides (batch, head, token), w, kind, trig table, its batch stride
+                     "pointwise_rows_state": [_P, _P, _I64, _I64, _I64, _I64, _I32, _I32, _P, _I64]}
+# pointwise_rows' kinds (exp_rows.c's enum)
+POINTWISE_KINDS = {"relu": 0, "elu": 1, "cosformer": 2}
 
 
 def library() -> ctypes.CDLL | None:
@@ -81,6 +86,28 @@ def softmax_pair_rows(logits: ProducedRows) -> ProducedRows:
     d = logits.shape[-1]
     return ProducedRows.made_by(library(), "softmax_pair_rows", (*logits.shape[:-1], 2 * d), (logits,),
                                 logits.function, ctypes.addressof(logits.state), d)
+
+
+def pointwise_feature_rows(x: torch.Tensor, kind: str, trig: torch.Tensor | None = None) -> ProducedRows:
+    """The fixed elementwise features of x [B, H, N, w] (float32, any strides but a last of 1) as
+    ``ops.products.ProducedRows``, made a block of tokens at a time inside the core's products and never
+    stored: "relu" relu(x) (ReLU's map), "elu" elu(x) + 1 computed as exp(x - relu(x)) + relu(x) (ELU's map), or
+    "cosformer" [relu(x) sin, relu(x) cos] [B, H, N, 2 w] with (sin, cos) per token from ``trig`` [B or 1, N, 2]
+    (cosFormer's map without prefix tokens). The same values to the bit as the maps' forwards, but for elu's
+    exp (to float32 rounding). Native only: check ``library()`` first; no gradients."""
+    b, h, n, width = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    keep, trig_pointer, trig_stride = (x,), 0, 0
+    if kind == "cosformer":
+        if trig is None or trig.dtype != torch.float32 or trig.shape[-2:] != (n, 2) or trig.shape[0] not in (1, b):
+            raise ValueError(f"cosformer rows need a float32 trig table [1 or {b}, {n}, 2]; got "
+                             f"{None if trig is None else (trig.dtype, tuple(trig.shape))}")
+        trig = trig.contiguous()
+        keep, trig_pointer, trig_stride = (x, trig), trig.data_ptr(), (2 * n if trig.shape[0] > 1 else 0)
+    shape = (b, h, n, 2 * width if kind == "cosformer" else width)
+    return ProducedRows.made_by(library(), "pointwise_rows", shape, keep, x.data_ptr(), h, x.stride(0), x.stride(1),
+                                x.stride(2), width, POINTWISE_KINDS[kind], trig_pointer, trig_stride)
 
 
 def softmax_pair_reference(z: torch.Tensor) -> torch.Tensor:
