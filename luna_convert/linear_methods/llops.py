@@ -98,8 +98,7 @@ class LLoPSFeatureMap(FeatureMap):
     def sketch_of(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """psi_l = r^-1/2 prod_t <u_{l,t}, x~> for x [B, H, n, d] and ``sketch_operands``: [B, H, n, r], a view
         with unit stride along r."""
-        if self.options.qk_norm:
-            x = F.layer_norm(x, x.shape[-1:], eps=1e-5)
+        x = self.sketch_input(x)
         b, h, n, d = x.shape
         r = self.sketch.shape[2]
         x_heads = x.transpose(0, 1).reshape(h, b * n, d)  # a view of the heads split from [B, n, H d]
@@ -109,13 +108,25 @@ class LLoPSFeatureMap(FeatureMap):
 
     def feature_rows(self, *xs: torch.Tensor,
                      context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
-        """The features of each of ``xs`` made inside the core's native products from the sketch, never stored
-        (``ops.pair_rows``: the diagonal psi_l psi_l, the rest (psi_l sqrt(2)) psi_m, as ``sketch_features``
-        computes them): at inference, float32 on the CPU, where the library is built."""
+        """The features of each of ``xs`` made inside the core's native products, never stored, nor the sketch:
+        the projections (``ops.products.affine_feature_rows``, one W per head), their factors' product
+        (``ops.pair_rows.factor_product_rows``) and its pairs (``ops.pair_rows.pair_feature_rows``: the
+        diagonal psi_l psi_l, the rest (psi_l sqrt(2)) psi_m), in ``sketch_features``' order; the projections
+        sum in the products' order, not MKL's. At inference, float32 on the CPU, where the library is built."""
         if not (products.produced_rows_apply(*xs, *self.parameters()) and pair_rows.library() is not None):
             return None
-        weight, bias = self.sketch_operands(torch.float32)
-        return tuple(pair_rows.pair_feature_rows(self.sketch_of(x, weight, bias), 1.0, 2**0.5) for x in xs)
+        weight, bias = self.sketch_operands(torch.float32)  # [H, d, p/2 r], [H, 1, p/2 r] or None
+        # contiguous once for queries and keys
+        weight = weight.contiguous()
+        bias = weight.new_zeros(weight.shape[0], weight.shape[2]) if bias is None else bias[:, 0].contiguous()
+        r = self.sketch.shape[2]
+        return tuple(pair_rows.pair_feature_rows(pair_rows.factor_product_rows(
+            products.affine_feature_rows(self.sketch_input(x), weight, bias, relu=False), self.options.degree // 2,
+            r**-0.5), 1.0, 2**0.5) for x in xs)
+
+    def sketch_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the sketch reads it: with PolySketch's LayerNorm (option qk_norm), else x itself."""
+        return F.layer_norm(x, x.shape[-1:], eps=1e-5) if self.options.qk_norm else x
 
     def sketch_features(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """phi(x) for x [B, H, n, d] and ``sketch_operands``: [B, H, n, D]."""
