@@ -24,14 +24,19 @@ from luna_convert.ops.context import AttentionContext
 PAPER = dict(projections=8, channels=8, per_head_projections=False, projection_init="random",
              channel_init="random", feature_norm="none", separate_key_map=False)
 # The makers that repeat the stored forward's float operations (the same features to the bit); T2R's and LLoPS's
-# sum their projections in the products' tile order, not MKL's, and ELU's exp is the project's own.
+# sum their projections in the products' tile order, not MKL's, and ELU's exp is the project's own; Performer's
+# and Flexformer's query logits leave out a term that their max takes out again.
 SAME_FEATURES = {"luna", "taylor", "hedgehog", "relu", "cosformer"}
 FORMS = {"paper": ("luna", PAPER), "defaults": ("luna", {}), "taylor": ("taylor", {}),
          "taylor, projected": ("taylor", {"project_dim": 5}), "llops": ("llops", {"rank": 6}),
          "llops, homogeneous": ("llops", {"rank": 5, "homogeneous": True, "qk_norm": True}),
          "llops, degree 6": ("llops", {"rank": 7, "degree": 6}),
          "t2r": ("t2r", {}), "t2r, 20 features": ("t2r", {"feature_dim": 20}), "hedgehog": ("hedgehog", {}),
-         "relu": ("relu", {}), "elu": ("elu", {}), "cosformer": ("cosformer", {})}
+         "relu": ("relu", {}), "elu": ("elu", {}), "cosformer": ("cosformer", {}),
+         "performer": ("performer", {}), "performer, 20 features": ("performer", {"num_features": 20}),
+         "flexformer": ("flexformer", {})}
+# Their keys' features are given stored (a stabiliser over all keys), their queries' made.
+STORED_KEYS = {"performer", "flexformer"}
 
 
 @pytest.fixture(params=NATIVE_BUILDS)
@@ -91,7 +96,9 @@ def test_products_of_produced_rows_match_the_stored_features(library, form, toke
         width = phi_q.shape[-1]
         w = torch.randn(2, 3, width, columns)
         assert q_rows.shape == k_rows.shape == phi_q.shape
-        for with_sum in (False, True):
+        if method in STORED_KEYS:
+            assert torch.equal(k_rows, phi_k)
+        for with_sum in (False, True) if method not in STORED_KEYS else ():
             made = with_threads(threads, lambda: products.produced_transposed_product(k_rows, y, with_sum))
             reference = phi_k.double().transpose(-1, -2) @ y.double()
             magnitude = phi_k.double().abs().transpose(-1, -2) @ y.double().abs()
@@ -175,8 +182,9 @@ def test_rows_are_offered_only_where_they_apply(library):
             assert layer.feature_rows(q, q) is not None
     with torch.no_grad():
         assert layer_of("paper", envelope=True).feature_rows(q, q) is None  # a gate the native pass lacks
-        performer = LinearAttention("performer", 16, 3, 0.25).eval()
-        assert performer.feature_rows(q, q) is None  # a map that offers no rows
+        signed = LinearAttention("flexformer", 16, 3, 0.25, variant="stationary").eval()
+        assert signed.feature_rows(q, q) is None  # a map that offers no rows
+        assert layer_of("performer", kernel_epsilon=1e-4).feature_rows(q, q) is None  # a floor the maker lacks
 
 
 def test_produced_products_check_their_operands(library):
@@ -252,3 +260,19 @@ def test_factor_product_rows_multiply_in_factor_order(library, factors, width):
     assert torch.equal(made, z.view(2, 3, 300, factors, width).prod(dim=-2) * width**-0.5)
     with pytest.raises(ValueError, match="factors"):
         pair_rows.factor_product_rows(source, factors * width + 1, 1.0)
+
+
+@pytest.mark.parametrize("width", [5, 16, 266])  # a partial vector, one whole one, Performer's m
+def test_exp_minus_max_rows_are_the_stored_exps(exp_rows_library, width):
+    """``exp_rows.exp_minus_row_max_rows`` (Performer's and Flexformer's query features from their logits) to the bit
+    as ``exp_rows.exp_minus_row_max_`` of the stored logits: the source made exactly and read back exactly, as
+    above."""
+    if products.native_library() is None:
+        pytest.skip(products.native_status())
+    torch.manual_seed(0)
+    z = 4 * torch.randn(2, 3, 300, width)
+    with torch.no_grad():
+        source = products.affine_feature_rows(z, torch.eye(width), torch.zeros(width), relu=False)
+        features = exp_rows.exp_minus_row_max_rows(source, 0.75)
+        made = products.produced_product(features, torch.eye(width).expand(2, 3, width, width))
+    assert torch.equal(made, exp_rows.exp_minus_row_max_(z.clone(), 0.75))

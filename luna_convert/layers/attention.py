@@ -218,9 +218,9 @@ class LinearAttention(nn.Module):
         ``linear_output``'s values: a feature map over the whole sequence at once (no window), float32 on the
         CPU, no gradients, no autocast; else None. Where the maps offer ``feature_rows`` the features are made
         inside the products and never stored (at any N: nothing to stream; the same values to the bit where
-        the maker repeats the stored map's float operations, else to float32 rounding: T2R, Taylor and LLoPS,
-        tests/test_produced_rows.py); otherwise (not when ``produced_only``) they are stored, the values to
-        the bit, and None where they would be streamed."""
+        the maker repeats the stored map's float operations and the products sum as before, else to float32
+        rounding, tests/test_produced_rows.py); otherwise (not when ``produced_only``) they are stored, the
+        values to the bit, and None where they would be streamed."""
         if (self.kernel is not None or self.window or v.dtype != torch.float32 or v.device.type != "cpu"
                 or torch.is_autocast_enabled("cpu") or self.needs_grad(q, k, v)):
             return None

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import exp_rows
+from ..ops import exp_rows, products
 from ..ops.context import AttentionContext
+from ..ops.products import ProducedRows
 from ..ops.dtypes import accumulation_dtype
 from .base import (AttentionOptions, FeatureMap, Method, check_int, check_non_negative_number, check_positive_int,
                    option)
@@ -88,6 +89,14 @@ class PerformerFeatureMap(FeatureMap):
             feats = feats + self.options.kernel_epsilon * self.feature_dim**-0.5
         return feats
 
+    def feature_rows(self, *xs: torch.Tensor,
+                     context: AttentionContext | None = None) -> tuple[ProducedRows | torch.Tensor, ...] | None:
+        """``positive_random_feature_rows`` of each of ``xs`` (queries made inside the products, keys stored), where
+        no kernel_epsilon is added."""
+        if self.options.kernel_epsilon:
+            return None
+        return positive_random_feature_rows(xs, self.random_features, context, scale=self.head_dim**-0.25)
+
 
 def positive_random_features(x: torch.Tensor, weight: torch.Tensor, context: AttentionContext | None,
                              scale: float = 1.0) -> torch.Tensor:
@@ -122,6 +131,26 @@ def positive_random_features(x: torch.Tensor, weight: torch.Tensor, context: Att
         with torch.no_grad():  # the stabilisers cancel exactly: no gradient (which also lets exp run in place)
             shift = _stabiliser(logits, is_key, real is not None)
         return logits.sub_(shift).exp_().view(b, h, n, m)
+
+
+def positive_random_feature_rows(xs: tuple[torch.Tensor, ...], weight: torch.Tensor, context: AttentionContext | None,
+                                 scale: float = 1.0) -> tuple[ProducedRows | torch.Tensor, ...] | None:
+    """``positive_random_features`` of each of ``xs`` for ``FeatureMap.feature_rows``, or None where they do not
+    apply (gradients, not float32 on the CPU, autocast, no native library). Queries' as ``ProducedRows``, made
+    inside the core's products and never stored: the logits scale W x by the affine maker, then exp(logits -
+    their max - ln(m) / 2) (``exp_rows.exp_minus_row_max_rows``); their -|x|^2 / (2 sqrt(d)) term is one
+    number per query, which the max takes out again, so it is left out (the features move by float32
+    rounding). Keys' stored, as ``positive_random_features`` computes them: their stabiliser is a max over
+    every real key, which a block of tokens does not see."""
+    if not (products.produced_rows_apply(*xs, weight) and exp_rows.library() is not None):
+        return None
+    if context is not None and context.role == "key":
+        return tuple(positive_random_features(x, weight, context, scale) for x in xs)
+    weight_t = (weight * scale).mT.contiguous()  # [d, m], or [H, d, m]: each head's own (Flexformer)
+    bias = weight_t.new_zeros(weight_t.shape[:-2] + weight_t.shape[-1:])
+    offset = 0.5 * math.log(weight_t.shape[-1])
+    return tuple(exp_rows.exp_minus_row_max_rows(products.affine_feature_rows(x, weight_t, bias, relu=False), offset)
+                 for x in xs)
 
 
 def _stabiliser(logits: torch.Tensor, is_key: bool, padded: bool) -> torch.Tensor:

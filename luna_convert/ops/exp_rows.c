@@ -8,8 +8,9 @@
  *     exp_minus_shift:       x[r] = e(x[r] - shift[r / rows_per_shift]), in place, rows of any width
  *                            (positive random features: a query's stabiliser is its row's max, a key's one
  *                            value per example and head)
- *     softmax_pair_rows, pointwise_rows: features made a block of tokens at a time inside the core's products
- *                            (Hedgehog's; ReLU's, ELU + 1's, cosFormer's), below
+ *     softmax_pair_rows, exp_minus_max_rows, pointwise_rows: features made a block of tokens at a time
+ *                            inside the core's products (Hedgehog's; Performer's and Flexformer's queries';
+ *                            ReLU's, ELU + 1's, cosFormer's), below
  *
  * Plain C99 with GCC/Clang vector extensions, no PyTorch headers, compiled on first use by ops/native.py.
  * e is exp_lanes below: exp of r <= 0 to within a few float32 rounding errors (torch's own exp is also a
@@ -255,4 +256,28 @@ void pointwise_rows(const void *state, int64_t b, int64_t t0, int64_t tn, float 
             }
         }
     }
+}
+
+/* exp_minus_row_max of the rows [tn, width] that another maker (products' affine_rows) makes, in the output
+ * itself: Performer's and Flexformer's query features, exp(logits - the row's max - offset), where offset =
+ * ln(m) / 2 is the features' m^(-1/2). */
+typedef struct {
+    produce_rows logits;
+    const void *logits_state;
+    int64_t width;
+    float offset;
+} exp_minus_max_rows_state_t;
+
+int exp_minus_max_rows_state_size(void) { return (int)sizeof(exp_minus_max_rows_state_t); }
+
+void exp_minus_max_rows_state(exp_minus_max_rows_state_t *s, produce_rows logits, const void *logits_state,
+                              int64_t width, float offset) {
+    const exp_minus_max_rows_state_t state = {logits, logits_state, width, offset};
+    *s = state;
+}
+
+void exp_minus_max_rows(const void *state, int64_t b, int64_t t0, int64_t tn, float *out) {
+    const exp_minus_max_rows_state_t *s = state;
+    s->logits(s->logits_state, b, t0, tn, out);
+    exp_minus_row_max(out, 0, tn, s->width, s->offset);
 }

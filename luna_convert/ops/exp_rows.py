@@ -32,6 +32,7 @@ NATIVE_SIGNATURES = {"softmax_pair_forward": [_P, _I64, _I64, _I32, _P],
                      "exp_minus_row_max": [_P, _I64, _I64, _I64, _F],
                      "exp_minus_shift": [_P, _I64, _I64, _I64, _P, _I64],
                      "softmax_pair_rows_state": [_P, _P, _P, _I32],  # state, the logits' maker and its state, d
+                     "exp_minus_max_rows_state": [_P, _P, _P, _I64, _F],  # the same, then width and offset
                      # state, x, heads, x's strides (batch, head, token), w, kind, trig table, its batch stride
                      "pointwise_rows_state": [_P, _P, _I64, _I64, _I64, _I64, _I32, _I32, _P, _I64]}
 # pointwise_rows' kinds (exp_rows.c's enum)
@@ -86,6 +87,14 @@ def softmax_pair_rows(logits: ProducedRows) -> ProducedRows:
     d = logits.shape[-1]
     return ProducedRows.made_by(library(), "softmax_pair_rows", (*logits.shape[:-1], 2 * d), (logits,),
                                 logits.function, ctypes.addressof(logits.state), d)
+
+
+def exp_minus_row_max_rows(logits: ProducedRows, offset: float = 0.0) -> ProducedRows:
+    """``exp_minus_row_max_`` of the logits that ``logits`` makes, itself made a block of tokens at a time inside the
+    core's products (Performer's and Flexformer's query features): the same values to the bit as that function
+    on the stored logits. Native only: check ``library()`` first."""
+    return ProducedRows.made_by(library(), "exp_minus_max_rows", logits.shape, (logits,), logits.function,
+                                ctypes.addressof(logits.state), logits.shape[-1], offset)
 
 
 def pointwise_feature_rows(x: torch.Tensor, kind: str, trig: torch.Tensor | None = None) -> ProducedRows:

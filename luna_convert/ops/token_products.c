@@ -279,7 +279,7 @@ void produced_product(produce_rows produce, const void *state, const float *w, f
 /* Affine features relu(x W^T + b) (or without the relu) of a token's x [d], made a block of tokens at a time
  * for the produced_* functions above (T2R's map; Hedgehog's logits, one W per head): x at any strides (its
  * last 1), W^T [d, D] and b [D] contiguous, per head `weight_head` and `bias_head` floats apart (0: one for all).
- * The sums are the tile's, in depth order, as `product` computes x W^T + b. */
+ * The sums are the tile's, in depth order, and the last columns' the dots', as `product` computes x W^T + b. */
 typedef struct {
     const float *x;
     int64_t heads, stride_b, stride_h, stride_n, depth, columns, weight_head, bias_head;
@@ -305,6 +305,11 @@ void affine_rows(const void *state, int64_t b, int64_t t0, int64_t tn, float *ou
     const int64_t head = b % s->heads;
     const float *x = s->x + (b / s->heads) * s->stride_b + head * s->stride_h + t0 * ldx;
     const float *wt = s->wt + head * s->weight_head, *bias = s->bias + head * s->bias_head;
+    const int64_t rest = D - full * LANES;
+    float *w_rest = rest ? malloc(sizeof(float) * rest * d) : 0; /* W^T's last columns, each contiguous */
+    if (rest && !w_rest) abort(); /* without them the result would be wrong */
+    for (int64_t j = 0; j < rest; ++j)
+        for (int64_t i = 0; i < d; ++i) w_rest[j * d + i] = wt[i * D + full * LANES + j];
     for (int64_t r0 = 0; r0 < tn; r0 += TILE_ROWS) {
         const int rows = tn - r0 < TILE_ROWS ? (int)(tn - r0) : TILE_ROWS;
         for (int64_t v0 = 0; v0 < full; v0 += TILE_VECS) {
@@ -312,13 +317,11 @@ void affine_rows(const void *state, int64_t b, int64_t t0, int64_t tn, float *ou
             tile_any(x + r0 * ldx, 1, ldx, wt + v0 * LANES, D, bias + v0 * LANES, 0, out + r0 * D + v0 * LANES, D, d,
                      rows, vecs);
         }
-        for (int64_t r = r0; r < r0 + rows; ++r) /* the columns past the last full vector, one dot each */
-            for (int64_t j = full * LANES; j < D; ++j) {
-                float acc = bias[j];
-                for (int64_t i = 0; i < d; ++i) acc += x[r * ldx + i] * wt[i * D + j];
-                out[r * D + j] = acc;
-            }
+        for (int64_t j = 0; j < rest; ++j) /* the columns past the last full vector: the tile's rows' dots */
+            dots_tile_any(x + r0 * ldx, ldx, w_rest + j * d, bias[full * LANES + j], out + r0 * D + full * LANES + j, D,
+                          d, rows);
     }
+    free(w_rest);
     if (s->relu)
         for (int64_t i = 0; i < tn * D; ++i) out[i] = out[i] < 0.0f ? 0.0f : out[i]; /* NaN stays NaN, as in torch.relu */
 #else
