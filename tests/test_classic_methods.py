@@ -227,8 +227,9 @@ def test_converted_models_tell_cosformer_their_prefix_tokens(arch, prefix):
     seen = []
     for la in linear_attention_modules(model):
         assert la.dwc is None
-        forward = la.phi_q.forward
+        forward, rows = la.phi_q.forward, la.phi_q.feature_rows  # stored features, or made in the products
         la.phi_q.forward = lambda x, context=None, f=forward: seen.append(context.num_prefix) or f(x, context)
+        la.phi_q.feature_rows = lambda *xs, context=None, f=rows: seen.append(context.num_prefix) or f(*xs, context=context)
     with torch.no_grad():
         logits_of(model, example_inputs(arch))
     assert seen and set(seen) == {prefix}
