@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..ops import exp_rows, products
+from ..ops import exp_rows
 from ..ops.context import AttentionContext
 from ..ops.products import ProducedRows
 from .base import AttentionOptions, FeatureMap, Method, option
@@ -92,7 +92,7 @@ class CosformerFeatureMap(FeatureMap):
         blocks, stored)."""
         if context is None:
             context = AttentionContext(None, xs[0].shape[2])
-        if not (products.produced_rows_apply(*xs) and exp_rows.library() is not None and self.prefix(context) == 0):
+        if not (exp_rows.rows_apply(*xs) and self.prefix(context) == 0):
             return None
         trig = self.position_trig(context, 0, xs[0].device, torch.float32)
         return tuple(exp_rows.pointwise_feature_rows(x, "cosformer", trig) for x in xs)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import exp_rows, products
+from ..ops import exp_rows
 from ..ops.context import AttentionContext
 from ..ops.products import ProducedRows
 from .base import AttentionOptions, FeatureMap, Method
@@ -38,7 +38,7 @@ class EluFeatureMap(FeatureMap):
         """elu(x) + 1 of each of ``xs`` made inside the core's native products, never stored
         (``ops.exp_rows.pointwise_feature_rows``: the same operations, its own exp, so equal to float32
         rounding): at inference, float32 on the CPU."""
-        if not (products.produced_rows_apply(*xs) and exp_rows.library() is not None):
+        if not exp_rows.rows_apply(*xs):
             return None
         return tuple(exp_rows.pointwise_feature_rows(x, "elu") for x in xs)
 

@@ -113,7 +113,7 @@ class LLoPSFeatureMap(FeatureMap):
         (``ops.pair_rows.factor_product_rows``) and its pairs (``ops.pair_rows.pair_feature_rows``: the
         diagonal psi_l psi_l, the rest (psi_l sqrt(2)) psi_m), in ``sketch_features``' order; the projections
         sum in the products' order, not MKL's. At inference, float32 on the CPU, where the library is built."""
-        if not (products.produced_rows_apply(*xs, *self.parameters()) and pair_rows.library() is not None):
+        if not pair_rows.rows_apply(*xs, *self.parameters()):
             return None
         weight, bias = self.sketch_operands(torch.float32)  # [H, d, p/2 r], [H, 1, p/2 r] or None
         # contiguous once for queries and keys

@@ -142,7 +142,7 @@ def positive_random_feature_rows(xs: tuple[torch.Tensor, ...], weight: torch.Ten
     number per query, which the max takes out again, so it is left out (the features move by float32
     rounding). Keys' stored, as ``positive_random_features`` computes them: their stabiliser is a max over
     every real key, which a block of tokens does not see."""
-    if not (products.produced_rows_apply(*xs, weight) and exp_rows.library() is not None):
+    if not exp_rows.rows_apply(*xs, weight):
         return None
     if context is not None and context.role == "key":
         return tuple(positive_random_features(x, weight, context, scale) for x in xs)

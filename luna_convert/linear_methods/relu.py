@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops import exp_rows, products
+from ..ops import exp_rows
 from ..ops.context import AttentionContext
 from ..ops.products import ProducedRows
 from .base import AttentionOptions, FeatureMap, Method
@@ -35,7 +35,7 @@ class ReluFeatureMap(FeatureMap):
                      context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
         """relu(x) of each of ``xs`` made inside the core's native products, never stored
         (``ops.exp_rows.pointwise_feature_rows``, the same values to the bit): at inference, float32 on the CPU."""
-        if not (products.produced_rows_apply(*xs) and exp_rows.library() is not None):
+        if not exp_rows.rows_apply(*xs):
             return None
         return tuple(exp_rows.pointwise_feature_rows(x, "relu") for x in xs)
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
-from ..ops import pair_rows, products
+from ..ops import pair_rows
 from ..ops.layout import tokens_first
 from ..ops.products import ProducedRows
 from .base import AttentionOptions, FeatureMap, Method, option
@@ -93,7 +93,7 @@ class TaylorFeatureMap(FeatureMap):
                      context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
         """The features of each of ``xs`` made inside the core's native products, never stored
         (``ops.pair_rows``): at inference, float32 on the CPU, where the library is built."""
-        if not (products.produced_rows_apply(*xs, *self.parameters()) and pair_rows.library() is not None):
+        if not pair_rows.rows_apply(*xs, *self.parameters()):
             return None
         d = self.head_dim  # the scales of forward's left rows
         return tuple(pair_rows.pair_feature_rows(self.projected(x), (2 * d)**-0.5, d**-0.5, constant=True,

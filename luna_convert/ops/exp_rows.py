@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from . import native
+from . import native, products
 from .products import ProducedRows
 
 SOURCE = Path(__file__).with_name("exp_rows.c")
@@ -42,6 +42,12 @@ POINTWISE_KINDS = {"relu": 0, "elu": 1, "cosformer": 2}
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (``ops.native.unavailable_reason(SOURCE)`` says why)."""
     return native.load_library(SOURCE, NATIVE_SIGNATURES)
+
+
+def rows_apply(*tensors: torch.Tensor) -> bool:
+    """Whether a map may hand these (its inputs and parameters) to the products as rows this library's makers
+    make: ``products.produced_rows_apply``, and the library built."""
+    return products.produced_rows_apply(*tensors) and library() is not None
 
 
 def status() -> str:

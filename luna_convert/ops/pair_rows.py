@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import native
+from . import native, products
 from .products import ProducedRows
 
 SOURCE = Path(__file__).with_name("pair_rows.c")
@@ -31,6 +31,12 @@ _SIGNATURES = {
 def library() -> ctypes.CDLL | None:
     """The compiled source, or None (``ops.native.unavailable_reason(SOURCE)`` says why)."""
     return native.load_library(SOURCE, _SIGNATURES)
+
+
+def rows_apply(*tensors: torch.Tensor) -> bool:
+    """Whether a map may hand these (its inputs and parameters) to the products as rows this library's makers
+    make: ``products.produced_rows_apply``, and the library built."""
+    return products.produced_rows_apply(*tensors) and library() is not None
 
 
 def pair_feature_count(width: int, constant: bool, linear: bool) -> int:
