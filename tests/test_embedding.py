@@ -19,7 +19,7 @@ from luna_convert.metrics import compute_metrics, cosine_rows, metric_names, top
 from luna_convert.run.config import RunConfig
 from luna_convert.run.recipes import apply_overrides
 from luna_convert.run.models import load_model
-from luna_convert.run.pipeline import evaluate_model, run_conversion
+from luna_convert.run.pipeline import run_conversion
 from luna_convert.sentence_embedding import SentenceEmbedder, pool
 from luna_convert.tasks import get_task
 from builders import WORDS, cli_error_line, config_for, invoke_cli, saved_tokenizer, write_bert_checkpoint, write_sst2

@@ -19,7 +19,7 @@ from luna_convert.linear_methods import METHODS
 from luna_convert.linear_methods.base import FEATURE_MAP_KIND
 from luna_convert.ops.context import AttentionContext
 from luna_convert.ops.linear import linear_attention
-from luna_convert.ops.reference import linear_attention_weights, softmax_attention, windowed_linear_attention_weights
+from luna_convert.ops.reference import linear_attention_weights, softmax_attention
 from luna_convert.ops.windowed import windowed_linear_attention
 from luna_convert.serialization import CONVERSION_FILE, load, save
 

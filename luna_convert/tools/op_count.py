@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable
 
-import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
