@@ -25,7 +25,7 @@ PAPER = dict(projections=8, channels=8, per_head_projections=False, projection_i
              channel_init="random", feature_norm="none", separate_key_map=False)
 # The makers that repeat the stored forward's float operations (the same features to the bit); T2R's and LLoPS's
 # sum their projections in the products' tile order, not MKL's, and ELU's exp is the project's own; Performer's
-# and Flexformer's query logits leave out a term that their max takes out again.
+# and Flexformer's logits too, and their queries' leave out a term that their max takes out again.
 SAME_FEATURES = {"luna", "taylor", "hedgehog", "relu", "cosformer"}
 FORMS = {"paper": ("luna", PAPER), "defaults": ("luna", {}), "taylor": ("taylor", {}),
          "taylor, projected": ("taylor", {"project_dim": 5}), "llops": ("llops", {"rank": 6}),
@@ -35,7 +35,7 @@ FORMS = {"paper": ("luna", PAPER), "defaults": ("luna", {}), "taylor": ("taylor"
          "relu": ("relu", {}), "elu": ("elu", {}), "cosformer": ("cosformer", {}),
          "performer": ("performer", {}), "performer, 20 features": ("performer", {"num_features": 20}),
          "flexformer": ("flexformer", {})}
-# Their keys' features are given stored (a stabiliser over all keys), their queries' made.
+# At these sizes their keys' features are given stored (below performer.MADE_KEYS_MIN_BYTES), their queries' made.
 STORED_KEYS = {"performer", "flexformer"}
 
 
@@ -276,3 +276,38 @@ def test_exp_minus_max_rows_are_the_stored_exps(exp_rows_library, width):
         features = exp_rows.exp_minus_row_max_rows(source, 0.75)
         made = products.produced_product(features, torch.eye(width).expand(2, 3, width, width))
     assert torch.equal(made, exp_rows.exp_minus_row_max_(z.clone(), 0.75))
+
+
+@pytest.mark.parametrize("method", ["performer", "flexformer"])
+def test_positive_key_rows_are_the_stored_key_features(library, monkeypatch, method):
+    """Performer's and Flexformer's key features made in the products (``exp_rows.positive_key_rows``: the
+    stabiliser over real keys from a pass of its own), read back through a product with the identity, against
+    the stored key features: to float32 rounding of the logits' arguments, pad keys exactly 0, an example
+    without a real key all 0. Then a layer with its keys made: no further from the float64 layer than the
+    stored path, on average within 2x."""
+    from luna_convert.linear_methods import performer
+
+    monkeypatch.setattr(performer, "MADE_KEYS_MIN_BYTES", 0)  # made at any size
+    layer = layer_of(method)
+    k = heads_split(3, 3, 300, 16, 2)
+    mask = torch.rand(3, 300, generator=torch.Generator().manual_seed(4)) > 0.3
+    mask[2] = False
+    context = AttentionContext(mask, 300, role="key")
+    with torch.no_grad():
+        (rows,) = layer.phi_q.feature_rows(k, context=context)
+        stored = layer.phi_q(k, context)
+        width = stored.shape[-1]
+        made = products.produced_product(rows, torch.eye(width).expand(3, 3, width, width))
+    pads = ~mask[:, None, :, None].expand_as(made)
+    assert (made[pads] == 0).all() and (stored[pads] == 0).all()
+    assert made.amax() == pytest.approx(width**-0.5, rel=1e-5)  # the largest real key's largest feature is m^-1/2
+    torch.testing.assert_close(made, stored, rtol=5e-5, atol=1e-12)
+    q, v = heads_split(3, 3, 300, 16, 1), heads_split(3, 3, 300, 16, 3)
+    mask[2, :2] = True  # an example with two real keys: a division by a small sum
+    with torch.no_grad():
+        out = layer(q, k, v, key_mask=mask)
+        layer.feature_rows = lambda *args: None
+        stored_out = layer(q, k, v, key_mask=mask)
+        reference = copy.deepcopy(layer).double()(q.double(), k.double(), v.double(), key_mask=mask)
+    made_error, stored_error = ((t.double() - reference).abs().mean().item() for t in (out, stored_out))
+    assert made_error <= 2 * stored_error + 1e-8, (made_error, stored_error)

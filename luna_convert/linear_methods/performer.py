@@ -91,8 +91,7 @@ class PerformerFeatureMap(FeatureMap):
 
     def feature_rows(self, *xs: torch.Tensor,
                      context: AttentionContext | None = None) -> tuple[ProducedRows | torch.Tensor, ...] | None:
-        """``positive_random_feature_rows`` of each of ``xs`` (queries made inside the products, keys stored), where
-        no kernel_epsilon is added."""
+        """``positive_random_feature_rows`` of each of ``xs``, where no kernel_epsilon is added."""
         if self.options.kernel_epsilon:
             return None
         return positive_random_feature_rows(xs, self.random_features, context, scale=self.head_dim**-0.25)
@@ -133,24 +132,39 @@ def positive_random_features(x: torch.Tensor, weight: torch.Tensor, context: Att
         return logits.sub_(shift).exp_().view(b, h, n, m)
 
 
+# Keys' features made inside the products from this size of their stored form on (bytes, per call). They
+# cost a second pass over the logits (for the stabiliser), which pays where storing them would take fresh
+# pages from the system: above the kept heap's 32 MiB (``tools.heap.MMAP_THRESHOLD``). One thread, forward,
+# made / stored keys (docs/performance-log.md, *Session 24*): Flexformer (m = 64) 1.27 at 1,024 tokens (3 MB),
+# 1.18 at 4,096 (13 MB), 0.91 at 16,384 (50 MB); Performer (m = 266) 0.95 at 13 MB, 0.85 at 52 MB, 0.79 at 209 MB.
+MADE_KEYS_MIN_BYTES = 32 << 20
+
+
 def positive_random_feature_rows(xs: tuple[torch.Tensor, ...], weight: torch.Tensor, context: AttentionContext | None,
                                  scale: float = 1.0) -> tuple[ProducedRows | torch.Tensor, ...] | None:
     """``positive_random_features`` of each of ``xs`` for ``FeatureMap.feature_rows``, or None where they do not
-    apply (gradients, not float32 on the CPU, autocast, no native library). Queries' as ``ProducedRows``, made
-    inside the core's products and never stored: the logits scale W x by the affine maker, then exp(logits -
-    their max - ln(m) / 2) (``exp_rows.exp_minus_row_max_rows``); their -|x|^2 / (2 sqrt(d)) term is one
-    number per query, which the max takes out again, so it is left out (the features move by float32
-    rounding). Keys' stored, as ``positive_random_features`` computes them: their stabiliser is a max over
-    every real key, which a block of tokens does not see."""
+    apply (gradients, not float32 on the CPU, autocast, no native library). The logits scale W x by the affine
+    maker. Queries' are made inside the core's products, never stored: exp(logits - their max - ln(m) / 2)
+    (``exp_rows.exp_minus_row_max_rows``), whose -|x|^2 / (2 sqrt(d)) term is one number per query that the max
+    takes out again, so it is left out. Keys' (``context.role`` "key"), whose stabiliser is a max over all real
+    keys: made too (``exp_rows.positive_key_rows``, the stabiliser from a pass of its own over the logits) from
+    ``MADE_KEYS_MIN_BYTES`` of stored features on, else stored, as ``positive_random_features`` computes them.
+    The made features move by float32 rounding."""
     if not exp_rows.rows_apply(*xs, weight):
         return None
-    if context is not None and context.role == "key":
+    is_key = context is not None and context.role == "key"
+    m = weight.shape[-2]
+    if is_key and xs[0].shape[:-1].numel() * m * 4 < MADE_KEYS_MIN_BYTES:
         return tuple(positive_random_features(x, weight, context, scale) for x in xs)
     weight_t = (weight * scale).mT.contiguous()  # [d, m], or [H, d, m]: each head's own (Flexformer)
     bias = weight_t.new_zeros(weight_t.shape[:-2] + weight_t.shape[-1:])
-    offset = 0.5 * math.log(weight_t.shape[-1])
-    return tuple(exp_rows.exp_minus_row_max_rows(products.affine_feature_rows(x, weight_t, bias, relu=False), offset)
-                 for x in xs)
+    offset = 0.5 * math.log(m)
+    logits = [products.affine_feature_rows(x, weight_t, bias, relu=False) for x in xs]
+    if is_key:
+        norm_scale = -0.5 * xs[0].shape[-1]**-0.5  # -|x|^2 / (2 sqrt(d)), of the unscaled x
+        return tuple(exp_rows.positive_key_rows(rows, x, norm_scale, offset, context.view_mask)
+                     for rows, x in zip(logits, xs))
+    return tuple(exp_rows.exp_minus_row_max_rows(rows, offset) for rows in logits)
 
 
 def _stabiliser(logits: torch.Tensor, is_key: bool, padded: bool) -> torch.Tensor:

@@ -281,3 +281,81 @@ void exp_minus_max_rows(const void *state, int64_t b, int64_t t0, int64_t tn, fl
     s->logits(s->logits_state, b, t0, tn, out);
     exp_minus_row_max(out, 0, tn, s->width, s->offset);
 }
+
+/* Performer's and Flexformer's key features made a block of tokens at a time: for key j of batch entry b,
+ *
+ *     exp(logit_j - |x_j|^2 c - shift[b])     (0 for a pad key)
+ *
+ * with the logits [tn, width] from another maker (products' affine_rows: the scaled W x), c = 1 / (2 sqrt(d))
+ * (`norm_scale` = -c), and shift[b] = the largest logit_j - |x_j|^2 c over the real keys of b, plus ln(m) / 2:
+ * one stabiliser per example and head, which positive_key_shift computes in a pass of its own over the same
+ * logits (a block of tokens does not see all keys). A pad key's row is 0, as the stored features' exp(-inf). */
+typedef struct {
+    produce_rows logits;
+    const void *logits_state;
+    const float *x; /* [B, H, N, d] at these strides (floats), the last 1 */
+    int64_t heads, stride_b, stride_h, stride_n, depth, width;
+    float norm_scale, offset;
+    const uint8_t *mask; /* [B, N] at mask_stride_b, 1 = real; or NULL: all real */
+    int64_t mask_stride_b;
+    const float *shift; /* [B H], for positive_key_rows */
+} positive_key_state_t;
+
+int positive_key_rows_state_size(void) { return (int)sizeof(positive_key_state_t); }
+
+void positive_key_rows_state(positive_key_state_t *s, produce_rows logits, const void *logits_state, const float *x,
+                             int64_t heads, int64_t stride_b, int64_t stride_h, int64_t stride_n, int64_t depth,
+                             int64_t width, float norm_scale, float offset, const uint8_t *mask,
+                             int64_t mask_stride_b, const float *shift) {
+    const positive_key_state_t state = {logits, logits_state, x, heads, stride_b, stride_h, stride_n, depth, width,
+                                        norm_scale, offset, mask, mask_stride_b, shift};
+    *s = state;
+}
+
+/* logit - |x|^2 c for the block's rows in place (the shift not yet taken), and whether each token is real */
+static void key_logits_block(const positive_key_state_t *s, int64_t b, int64_t t0, int64_t tn, float *out) {
+    const float *x0 = s->x + (b / s->heads) * s->stride_b + (b % s->heads) * s->stride_h + t0 * s->stride_n;
+    s->logits(s->logits_state, b, t0, tn, out);
+    for (int64_t t = 0; t < tn; ++t) {
+        const float *x = x0 + t * s->stride_n;
+        float square = 0.0f;
+        for (int64_t i = 0; i < s->depth; ++i) square += x[i] * x[i];
+        const float term = square * s->norm_scale;
+        float *o = out + t * s->width;
+        for (int64_t c = 0; c < s->width; ++c) o[c] += term;
+    }
+}
+
+static inline int key_is_real(const positive_key_state_t *s, int64_t b, int64_t t) {
+    return !s->mask || s->mask[(b / s->heads) * s->mask_stride_b + t];
+}
+
+/* shift[b] for the batch entries [b0, b1): the largest logit - |x|^2 c over real keys and features, plus the
+ * offset; 0 where an entry has no real key (its features are all 0 then). Tokens in blocks of 256. */
+void positive_key_shift(const positive_key_state_t *s, int64_t b0, int64_t b1, int64_t n, float *shift) {
+    float *block = malloc(sizeof(float) * (size_t)(256 * s->width));
+    if (!block) abort(); /* a block of logits: without it the result would be wrong */
+    for (int64_t b = b0; b < b1; ++b) {
+        float high = -INFINITY;
+        for (int64_t t0 = 0; t0 < n; t0 += 256) {
+            const int64_t tn = n - t0 < 256 ? n - t0 : 256;
+            key_logits_block(s, b, t0, tn, block);
+            for (int64_t t = 0; t < tn; ++t)
+                if (key_is_real(s, b, t0 + t)) high = max_nan_scalar(high, row_max(block + t * s->width, s->width));
+        }
+        shift[b] = high == -INFINITY ? 0.0f : high + s->offset;
+    }
+    free(block);
+}
+
+void positive_key_rows(const void *state, int64_t b, int64_t t0, int64_t tn, float *out) {
+    const positive_key_state_t *s = state;
+    key_logits_block(s, b, t0, tn, out);
+    for (int64_t t = 0; t < tn; ++t) {
+        float *o = out + t * s->width;
+        if (key_is_real(s, b, t0 + t))
+            exp_minus(o, s->width, s->shift[b]);
+        else
+            memset(o, 0, sizeof(float) * (size_t)s->width);
+    }
+}

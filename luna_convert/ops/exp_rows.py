@@ -33,6 +33,11 @@ NATIVE_SIGNATURES = {"softmax_pair_forward": [_P, _I64, _I64, _I32, _P],
                      "exp_minus_shift": [_P, _I64, _I64, _I64, _P, _I64],
                      "softmax_pair_rows_state": [_P, _P, _P, _I32],  # state, the logits' maker and its state, d
                      "exp_minus_max_rows_state": [_P, _P, _P, _I64, _F],  # the same, then width and offset
+                     # state, the logits' maker and its state, x, heads, x's strides (batch, head, token), d, width,
+                     # the norm's scale, the offset, the key mask and its batch stride, the shifts
+                     "positive_key_rows_state": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _F, _P, _I64,
+                                                 _P],
+                     "positive_key_shift": [_P, _I64, _I64, _I64, _P],  # state, b0, b1, N, the shifts
                      # state, x, heads, x's strides (batch, head, token), w, kind, trig table, its batch stride
                      "pointwise_rows_state": [_P, _P, _I64, _I64, _I64, _I64, _I32, _I32, _P, _I64]}
 # pointwise_rows' kinds (exp_rows.c's enum)
@@ -101,6 +106,32 @@ def exp_minus_row_max_rows(logits: ProducedRows, offset: float = 0.0) -> Produce
     on the stored logits. Native only: check ``library()`` first."""
     return ProducedRows.made_by(library(), "exp_minus_max_rows", logits.shape, (logits,), logits.function,
                                 ctypes.addressof(logits.state), logits.shape[-1], offset)
+
+
+def positive_key_rows(logits: ProducedRows, x: torch.Tensor, norm_scale: float, offset: float,
+                      mask: torch.Tensor | None = None) -> ProducedRows:
+    """Positive random features of keys, exp(logit - |x|^2 c - shift) with ``norm_scale`` = -c, made a block of
+    tokens at a time inside the core's products from the logits that ``logits`` makes (the scaled W x of keys x
+    [B, H, N, d]), and 0 for pad keys (``mask`` [B, N], True = real). The shift, one per example and head, is
+    the largest logit - |x|^2 c over real keys plus ``offset``: computed here first, in a pass of its own over
+    the same logits (``positive_key_shift``), never stored. Native only: check ``library()`` first."""
+    b, h, n, d = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    width = logits.shape[-1]
+    shift = torch.empty(b * h, dtype=torch.float32)
+    keep = (logits, x, shift)
+    mask_pointer = 0
+    if mask is not None:
+        mask = mask.to(torch.uint8).contiguous()  # [B, N], one byte a key
+        keep, mask_pointer = (*keep, mask), mask.data_ptr()
+    rows = ProducedRows.made_by(library(), "positive_key_rows", (b, h, n, width), keep, logits.function,
+                                ctypes.addressof(logits.state), x.data_ptr(), h, x.stride(0), x.stride(1), x.stride(2),
+                                d, width, norm_scale, offset, mask_pointer, n, shift.data_ptr())
+    lib, state = library(), ctypes.addressof(rows.state)
+    native.run_in_chunks(lambda b0, b1, _: lib.positive_key_shift(state, b0, b1, n, shift.data_ptr()), b * h,
+                         native.chunk_count(b * h, 1))
+    return rows
 
 
 def pointwise_feature_rows(x: torch.Tensor, kind: str, trig: torch.Tensor | None = None) -> ProducedRows:
