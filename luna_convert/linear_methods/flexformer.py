@@ -93,8 +93,8 @@ class FlexformerFeatureMap(FeatureMap):
 
     def feature_rows(self, *xs: torch.Tensor,
                      context: AttentionContext | None = None) -> tuple[ProducedRows | torch.Tensor, ...] | None:
-        """The positive variant's features as Performer's (``performer.positive_random_feature_rows``: queries made
-        inside the core's products, keys stored); the signed variants store theirs."""
+        """The positive variant's features as Performer's (``performer.positive_random_feature_rows``: made inside
+        the core's products, keys from ``MADE_KEYS_MIN_BYTES`` on); the signed variants store theirs."""
         if self.options.variant != "positive":
             return None
         return positive_random_feature_rows(xs, self.frequencies, context)

@@ -8,9 +8,9 @@
  *     exp_minus_shift:       x[r] = e(x[r] - shift[r / rows_per_shift]), in place, rows of any width
  *                            (positive random features: a query's stabiliser is its row's max, a key's one
  *                            value per example and head)
- *     softmax_pair_rows, exp_minus_max_rows, pointwise_rows: features made a block of tokens at a time
- *                            inside the core's products (Hedgehog's; Performer's and Flexformer's queries';
- *                            ReLU's, ELU + 1's, cosFormer's), below
+ *     softmax_pair_rows, exp_minus_max_rows, positive_key_rows, pointwise_rows: features made a block of
+ *                            tokens at a time inside the core's products (Hedgehog's; Performer's and
+ *                            Flexformer's queries' and keys'; ReLU's, ELU + 1's, cosFormer's), below
  *
  * Plain C99 with GCC/Clang vector extensions, no PyTorch headers, compiled on first use by ops/native.py.
  * e is exp_lanes below: exp of r <= 0 to within a few float32 rounding errors (torch's own exp is also a
@@ -312,7 +312,10 @@ void positive_key_rows_state(positive_key_state_t *s, produce_rows logits, const
     *s = state;
 }
 
-/* logit - |x|^2 c for the block's rows in place (the shift not yet taken), and whether each token is real */
+/* Tokens per block of the stabiliser's pass (its logits, a few tens of KB, stay in cache). */
+#define KEY_BLOCK 256
+
+/* logit - |x|^2 c for the block's rows, in place in out (the shift not yet taken) */
 static void key_logits_block(const positive_key_state_t *s, int64_t b, int64_t t0, int64_t tn, float *out) {
     const float *x0 = s->x + (b / s->heads) * s->stride_b + (b % s->heads) * s->stride_h + t0 * s->stride_n;
     s->logits(s->logits_state, b, t0, tn, out);
@@ -331,14 +334,14 @@ static inline int key_is_real(const positive_key_state_t *s, int64_t b, int64_t 
 }
 
 /* shift[b] for the batch entries [b0, b1): the largest logit - |x|^2 c over real keys and features, plus the
- * offset; 0 where an entry has no real key (its features are all 0 then). Tokens in blocks of 256. */
+ * offset; 0 where an entry has no real key (its features are all 0 then). */
 void positive_key_shift(const positive_key_state_t *s, int64_t b0, int64_t b1, int64_t n, float *shift) {
-    float *block = malloc(sizeof(float) * (size_t)(256 * s->width));
+    float *block = malloc(sizeof(float) * (size_t)(KEY_BLOCK * s->width));
     if (!block) abort(); /* a block of logits: without it the result would be wrong */
     for (int64_t b = b0; b < b1; ++b) {
         float high = -INFINITY;
-        for (int64_t t0 = 0; t0 < n; t0 += 256) {
-            const int64_t tn = n - t0 < 256 ? n - t0 : 256;
+        for (int64_t t0 = 0; t0 < n; t0 += KEY_BLOCK) {
+            const int64_t tn = n - t0 < KEY_BLOCK ? n - t0 : KEY_BLOCK;
             key_logits_block(s, b, t0, tn, block);
             for (int64_t t = 0; t < tn; ++t)
                 if (key_is_real(s, b, t0 + t)) high = max_nan_scalar(high, row_max(block + t * s->width, s->width));

@@ -1,8 +1,9 @@
 """Exponentials of rows in one pass per row, natively (``exp_rows.c``), with each function's PyTorch reference
 beside it: Hedgehog's pair of softmaxes [softmax(z), softmax(-z)] and its backward, and the stabilised
 exps of positive random features (Performer, Flexformer's positive variant), exp(x - its row's max) and
-exp(x - a given shift), in place. Also the fixed elementwise maps' features (ReLU, ELU + 1, cosFormer: ELU's
-needs the exp) made inside the core's products (``pointwise_feature_rows``).
+exp(x - a given shift), in place. Also features made from them inside the core's products: the random
+features' queries and keys (``exp_minus_row_max_rows``, ``positive_key_rows``) and the fixed elementwise maps'
+(``pointwise_feature_rows``: ReLU, ELU + 1, cosFormer; ELU's needs the exp).
 
 In PyTorch each of these is three to five calls, each a pass over the rows in memory (for the softmax pair:
 two softmaxes, the negation between them, the cat; for the stabilised exp: the max, the subtraction, the

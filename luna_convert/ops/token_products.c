@@ -155,6 +155,12 @@ static void scaled_add(float *acc, const float *x, float s, int64_t n) {
     for (; i < n; ++i) acc[i] += s * x[i];
 }
 
+/* out[j, :] = w[:, first + j] for j < count: columns of w [depth, ldw] made contiguous, for the dot tile. */
+static void columns_of(const float *w, int64_t ldw, int64_t depth, int64_t first, int64_t count, float *out) {
+    for (int64_t j = 0; j < count; ++j)
+        for (int64_t i = 0; i < depth; ++i) out[j * depth + i] = w[i * ldw + first + j];
+}
+
 /* Where batch entry b starts in an operand of layout s. */
 static inline int64_t entry(const int64_t *s, int64_t b, int64_t inner) { return (b / inner) * s[0] + (b % inner) * s[1]; }
 
@@ -236,8 +242,7 @@ static void product_of(const float *x, produce_rows produce, const void *state, 
         const float *xb = produce ? 0 : x + entry(sx, b, inner), *wb = w + entry(sw, b, inner);
         const float *biasb = bias ? bias + entry(sbias, b, inner) : 0;
         float *cb = c + entry(sc, b, inner);
-        for (int64_t j = 0; j < rest; ++j)
-            for (int64_t i = 0; i < depth; ++i) w_rest[j * depth + i] = wb[i * ldw + full * LANES + j];
+        columns_of(wb, ldw, depth, full * LANES, rest, w_rest);
         for (int64_t s0 = 0; s0 < n; s0 += block) {
             const int64_t sn = n - s0 < block ? n - s0 : block;
             if (produce) produce(state, b, s0, sn, made);
@@ -308,8 +313,7 @@ void affine_rows(const void *state, int64_t b, int64_t t0, int64_t tn, float *ou
     const int64_t rest = D - full * LANES;
     float *w_rest = rest ? malloc(sizeof(float) * rest * d) : 0; /* W^T's last columns, each contiguous */
     if (rest && !w_rest) abort(); /* without them the result would be wrong */
-    for (int64_t j = 0; j < rest; ++j)
-        for (int64_t i = 0; i < d; ++i) w_rest[j * d + i] = wt[i * D + full * LANES + j];
+    columns_of(wt, D, d, full * LANES, rest, w_rest);
     for (int64_t r0 = 0; r0 < tn; r0 += TILE_ROWS) {
         const int rows = tn - r0 < TILE_ROWS ? (int)(tn - r0) : TILE_ROWS;
         for (int64_t v0 = 0; v0 < full; v0 += TILE_VECS) {
