@@ -1,7 +1,7 @@
 """What one core of this machine can do, for the one-thread limit of an attention layer
-(docs/performance-log.md, *Session 14*, "The one-thread limit, measured"): float32 matrix-product rate on
+(docs/design-decisions.md, *The core's products in native code*): float32 matrix-product rate on
 square matrices and on the two products of the linear-attention core (torch.bmm, and ``ops.products``, the
-native code the core uses where it applies: *Session 21*), and the copy and read bandwidth of large buffers.
+native code the core uses where it applies), and the copy and read bandwidth of large buffers.
 
 The core's products at N tokens, H heads, D features and d value columns: [S | z] = phi_k^T [v | 1]
 (H x [D, N] @ [N, d + 1]) and phi_q [S | z] (H x [N, D] @ [D, d + 1]). Reported: the median of ``--repeats``

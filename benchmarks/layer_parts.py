@@ -1,12 +1,12 @@
 """Where one attention layer's forward time goes (no gradients), fastest of many calls in one process
-(docs/performance-log.md, *Session 18*).
+(docs/benchmarks.md, *Where a layer's time goes*).
 
 Timed apart, on the same [B, H, N, d] inputs: the whole layer; where the layer makes its features inside the
-core's products (``ops.linear.produced_attention_unnormalised``, *Session 23*), that; its feature maps
+core's products (``ops.linear.produced_attention_unnormalised``), that; its feature maps
 (queries and keys) stored; the linear-attention core of the stored features before its division
 (``ops.linear.linear_attention_unnormalised``); the DWC branch
 with the division (where the method has one); then the core's two products, torch.bmm against
-``ops.products`` (the native code where it applies: *Session 21*), the second one phi_q [S | z] with its
+``ops.products`` (the native code where it applies), the second one phi_q [S | z] with its
 65 columns against phi_q S with 64, and three ways of computing the denominator phi_q z apart.
 
     python benchmarks/layer_parts.py --method "luna:projections=8:channels=8:per_head_projections=false:projection_init=random:channel_init=random:feature_norm=none:separate_key_map=false"

@@ -1,5 +1,5 @@
 """One LUNA map's native pass without gradients, fastest of many calls in one process, with the minor page
-faults per call (docs/performance-log.md, *Session 15*).
+faults per call (docs/design-decisions.md, *The CLI keeps glibc's heap*).
 
 On a machine where a faulted page is expensive (a VM), medians of a few calls mostly measure which calls
 found their output buffer's pages already mapped; the fastest of many measures the pass. Timed: the

@@ -171,25 +171,25 @@ def ops_per_forward(method: str, tokens: int, train: bool = False, **options) ->
 # luna: its channel kernel (before: a loop over chunks of scalars); sorting: a sort, two scans and carries.
 # luna 116 -> 62 with the native channel kernel (luna_native: one call per map for the channels and the norm);
 # "luna-pytorch" is LUNA with it off (LUNA_CONVERT_NATIVE=0, or no C compiler), as "luna" is without one.
-# Session 12, fewer full-size passes in the maps (docs/performance-log.md): cosformer 64 -> 68 and performer
+# Fewer full-size passes in the maps: cosformer 64 -> 68 and performer
 # 65 -> 67 (small calls that fold scales into the weights or stabilisers, so that the [N, D] tensors are
 # written fewer times), flexformer and llops unchanged.
-# Session 17: sorting 235 -> 28 with its native passes (sorting_native: the sorts, scans and merges in one
+# Sorting 235 -> 28 with its native passes (sorting_native: the sorts, scans and merges in one
 # call per forward, one per backward); "sorting-pytorch" is its PyTorch path (one product for q's and k's
 # projections: 235 -> 219).
 # Then performer 67 -> 59 and flexformer 74 -> 57: one baddbmm per map makes the logits, with the |x|^2 term and
 # the pad keys' -inf as its added input (performer.positive_random_features, shared by both; the scales on the
 # small operands, 4 calls more than with baddbmm's beta and alpha, whose backward costs a pass over the
 # logits' gradient); llops 76 -> 59: the sketch's operands derived once for queries and keys (LLoPSFeatureMap.each).
-# Session 19: elu 30 -> 33, its map as relu, sub, exp and add instead of elu and add (F.elu's expm1 runs
-# scalar on the CPU: the layer's forward 2.3-2.6x faster, docs/performance-log.md); llops 58 -> 60 and taylor
+# Then elu 30 -> 33, its map as relu, sub, exp and add instead of elu and add (F.elu's expm1 runs
+# scalar on the CPU: the layer's forward 2.3-2.6x faster, docs/design-decisions.md); llops 58 -> 60 and taylor
 # 47 -> 49 (measured before and after; the table had 59 and 46): ops.layout.tokens_first's identity, one view
 # per map, which makes their backward 0.79x and 0.63x.
-# Session 21: the core's products through ops.products. With its native code (NATIVE_PRODUCTS_OPS): no
+# The core's products through ops.products. With its native code (NATIVE_PRODUCTS_OPS): no
 # cat, sum or reshape around them (t2r 37 -> 33, relu 26 -> 20, luna 47 -> 44, hedgehog 42 -> 38); llops
 # and taylor, whose features lie feature-major, keep torch.bmm, with a view more per product (60 -> 62,
 # 49 -> 51). Without it (MEASURED_OPS, remeasured): 1-3 calls more than before, the same views.
-# Session 22 (EXP_ROWS_NATIVE: ops.exp_rows built): hedgehog 38 -> 30 with its native map (hedgehog_native: the
+# With EXP_ROWS_NATIVE (ops.exp_rows built): hedgehog 38 -> 30 with its native map (hedgehog_native: the
 # projection through ops.products, the two softmaxes in one pass; where the products have no native code
 # it is 49, their bmm path copying the expanded weights and x at B = 2, as the PyTorch path's reshape copies
 # x); performer 53 -> 48 and flexformer 51 -> 46 (60 -> 55 and 58 -> 53 without native products): the

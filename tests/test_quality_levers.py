@@ -231,7 +231,7 @@ def test_method_recipe_sets_the_added_learning_rate_unless_given(tiny_case, tmp_
     given = config_for(model_dir, data_dir, "sst2", "flexformer", tmp_path / "b", added_lr=5e-4)
     results = run_conversion(given)
     assert results["method_recipe"] == {} and results["config"]["train"]["added_lr"] == 5e-4
-    # LUNA distils from Hedgehog's kernel and then finetunes everything at train.lr (round 5: SST-2 0.8630
+    # LUNA distils from Hedgehog's kernel and then finetunes everything at train.lr (SST-2 0.8630
     # vs 0.8595 with added_lr 1e-3, 2 seeds): no recipe of its own beyond distilling.
     results = run_conversion(config_for(model_dir, data_dir, "sst2", "luna", tmp_path / "c"))
     assert results["method_recipe"] == {} and results["config"]["train"]["added_lr"] is None

@@ -28,7 +28,7 @@ class EluFeatureMap(FeatureMap):
 
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
         # elu(x) + 1 = r + exp(x - r), r = relu(x): x - r is min(x, 0), exactly. Not F.elu: on the CPU its
-        # expm1 runs scalar, about 6x slower than this whole map (docs/performance-log.md, *Session 19*); not
+        # expm1 runs scalar, about 6x slower than this whole map (docs/design-decisions.md, *Feature maps*); not
         # clamp or where, whose backward runs another slow kernel. exp never sees a positive x, so no inf.
         r = torch.relu(x)
         return torch.exp(x - r) + r

@@ -25,7 +25,7 @@ from .luna_kernel import (channel_feature_rows, channel_features_of, feature_row
 from .registry import register
 
 # channel_init "exp": the channels interpolate exp(c u) on [-span, span]: EXP_INIT_SPAN for a bank built
-# alone, WIDE_EXP_SPAN in the conversion default (round 5: 0.85 % of MiniLM's first-layer q, k lie past 4).
+# alone, WIDE_EXP_SPAN in the conversion default (0.85 % of MiniLM's first-layer q, k lie past 4).
 EXP_INIT_SPAN = 4.0
 WIDE_EXP_SPAN = 8.0
 CHANNEL_INITS = ("random", "exp")
@@ -359,12 +359,12 @@ exp_rate 1), each channel's features normalised over the projections (feature_no
 the map starts equal to Hedgehog's (up to the piecewise-linear channels) and learns its channel
 functions on top, at a tenth of the projections' learning rate (channel_lr_scale 0.1: at the full rate
 Adam's steps on every knot unshape the exponentials; on the digits ViT, 20 distillation steps reached
-0.37 accuracy at the full rate, 0.875 at 0.1). Round 5: the channels interpolate exp on [-8, 8]
+0.37 accuracy at the full rate, 0.875 at 0.1). The channels interpolate exp on [-8, 8]
 (exp_span; MiniLM's first-layer q and k reach 8.6, and past the top knot a channel only grows
 linearly) and keys get a map of their own (separate_key_map, as Hedgehog's): on MiniLM's attention
 rows these take the CE after 150 steps from 1.587 to 1.568 (Hedgehog 1.570).
-Recipe: distil attention, then finetune everything at train.lr (round 4 gave what conversion adds
-train.added_lr 1e-3; once LUNA distils from Hedgehog's kernel, one rate did better on MiniLM SST-2,
+Recipe: distil attention, then finetune everything at train.lr (once LUNA distils from Hedgehog's
+kernel, one rate did better on MiniLM SST-2 than train.added_lr 1e-3 for what conversion adds,
 0.8630 vs 0.8595, 2 seeds).
 The paper's form: --set method_options.projections=8 method_options.channels=8
 method_options.per_head_projections=false method_options.projection_init=random

@@ -135,8 +135,9 @@ def positive_random_features(x: torch.Tensor, weight: torch.Tensor, context: Att
 # Keys' features made inside the products from this size of their stored form on (bytes, per call). They
 # cost a second pass over the logits (for the stabiliser), which pays where storing them would take fresh
 # pages from the system: above the kept heap's 32 MiB (``tools.heap.MMAP_THRESHOLD``). One thread, forward,
-# made / stored keys (docs/performance-log.md, *Session 24*): Flexformer (m = 64) 1.27 at 1,024 tokens (3 MB),
-# 1.18 at 4,096 (13 MB), 0.91 at 16,384 (50 MB); Performer (m = 266) 0.95 at 13 MB, 0.85 at 52 MB, 0.79 at 209 MB.
+# made / stored keys (docs/design-decisions.md, *Features made inside the products*): Flexformer (m = 64)
+# 1.27 at 1,024 tokens (3 MB), 1.18 at 4,096 (13 MB), 0.91 at 16,384 (50 MB); Performer (m = 266) 0.95 at
+# 13 MB, 0.85 at 52 MB, 0.79 at 209 MB.
 MADE_KEYS_MIN_BYTES = 32 << 20
 
 

@@ -5,7 +5,7 @@ Taylor and LLoPS build their pair features as whole rows of a [.., D, N] tensor 
 core's gradient for that view comes back contiguous in [.., N, D], so the map's backward (the pair
 products' ``mul``, ``index_select``'s ``index_add_``) read it across rows: in the profiler LLoPS's layer
 spent 59 ms of its forward + backward in ``index_add_`` alone at 4,096 tokens, and 9 ms once the gradient
-is copied to the build's layout first (docs/performance-log.md, *Session 19*).
+is copied to the build's layout first (docs/design-decisions.md, *Feature maps*).
 """
 
 from __future__ import annotations

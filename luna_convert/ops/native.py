@@ -43,9 +43,9 @@ CACHE_VARIABLE = "LUNA_CONVERT_CACHE_DIR"
 FLAGS = ("-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off")
 # Tried first: code for the CPU at hand. luna_channels.c's forward at LUNA's paper form (M = L = 8, its
 # division-based grid) runs about 3x faster with AVX2 than with x86-64's baseline SSE2
-# (docs/performance-log.md, *Session 14*). Where the compiler refuses it, FLAGS alone. A tuned library's
-# name also hashes the CPU (``cpu_identity``), so a cache folder shared by several machines never hands
-# one machine another's build.
+# (python benchmarks/channel_kernel.py --threads 1 --form paper). Where the compiler refuses it, FLAGS
+# alone. A tuned library's name also hashes the CPU (``cpu_identity``), so a cache folder shared by several
+# machines never hands one machine another's build.
 TUNED_FLAGS = ("-march=native",)
 CHUNKS_PER_THREAD = 4
 

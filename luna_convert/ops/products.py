@@ -8,9 +8,9 @@ gradient is recorded, on a CPU with AVX-512 or AVX2 and FMA, once ``ops.native``
 It reads operands at any row and batch strides: the heads split from [B, N, H d] where they lie, and an
 operand expanded over the batch without a copy (torch.bmm takes one batch axis, and reshaping to it
 copies them). On this project's machine it runs the core's shapes (12 heads x 4,096 tokens, 64 or 128
-features, 64 or 65 columns) at 1.3-1.7x ``torch.bmm``'s rate on one thread (docs/performance-log.md,
-*Session 21*). Its sums round as fused multiply-adds in their own order: equal to ``torch.bmm`` to float32
-rounding, not to the bit.
+features, 64 or 65 columns) at 1.3-1.7x ``torch.bmm``'s rate on one thread (docs/design-decisions.md,
+*The core's products in native code*). Its sums round as fused multiply-adds in their own order: equal to
+``torch.bmm`` to float32 rounding, not to the bit.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
  *     product:              c[b] = x[b] w[b] (+ bias[b])  x [n, D], w [D, e], bias [e] or NULL -> c [n, e]
  *
  * Why not BLAS: these shapes (a 4,096-long sum into a 64 x 64 block; 4,096 rows times a 64 x 65 block) run
- * at about half of this machine's square-product rate in MKL (docs/performance-log.md, *Session 19*). Here
+ * at about half of this machine's square-product rate in MKL (python benchmarks/gemm_rate.py --threads 1). Here
  * each tile of the result stays in registers while the long axis streams through, with no packing copies.
  *
  * Plain C99 with x86 intrinsics, no PyTorch headers, compiled by ops/native.py with -march=native. It has

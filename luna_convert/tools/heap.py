@@ -8,7 +8,7 @@ recent buffer lies free there, so the next call faults every page in again: the 
 32 MiB (glibc's largest mmap threshold) are served from the heap and the heap is never trimmed, so a
 freed buffer's pages are reused as they are. Larger tensors still map fresh pages: above 32 MiB of
 features the layers stream (``layers.attention``). The process keeps its peak heap until it exits.
-Measured in docs/performance-log.md (*Session 18*).
+Measured in docs/design-decisions.md (*The CLI keeps glibc's heap*).
 """
 
 from __future__ import annotations
