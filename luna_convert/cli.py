@@ -135,8 +135,13 @@ def run(
                                          "matthews_correlation, pearson, spearmanr, mse [by task type]."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Own data: print what is inferred from the model and "
                                  "data (task, columns, splits, labels, settings) and stop."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Finetune optimizer steps (overrides epochs)."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Finetune optimizer steps, overriding --epochs "
+                                            "(0: no finetuning; the score after distillation is the final one)."),
     epochs: Optional[float] = typer.Option(None, "--epochs"),
+    encoding: Optional[str] = typer.Option(None, "--encoding", help="Encoding of the csv/tsv/jsonl data files, "
+                                           "e.g. cp1252 or latin-1 [utf-8]."),
+    skip_unreadable_images: bool = typer.Option(False, "--skip-unreadable-images", help="ImageFolder: leave out "
+                                                "images that do not decode (counted) instead of refusing the data."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size"),
     lr: Optional[float] = typer.Option(None, "--lr"),
     max_length: Optional[int] = typer.Option(None, "--max-length", help="Text: tokens per example."),
@@ -163,7 +168,8 @@ def run(
                  "--metric": metric, "--max-steps": max_steps, "--epochs": epochs, "--batch-size": batch_size,
                  "--lr": lr, "--max-length": max_length, "--distill-steps": distill_steps, "--seed": seed,
                  "--mixed-precision": mixed_precision, "--keep-softmax-layers": keep_softmax_layers,
-                 "--set": set_ or None, "--run-dir": run_dir,
+                 "--set": set_ or None, "--run-dir": run_dir, "--encoding": encoding,
+                 "--skip-unreadable-images": skip_unreadable_images or None,
                  "--overwrite": overwrite or None}
         if any(v is not None for v in given.values()):
             _guard(lambda: _resume_alone([k for k, v in given.items() if v is not None]))
@@ -175,7 +181,8 @@ def run(
                "train.mixed_precision": mixed_precision, "distill.steps": distill_steps,
                "train_split": train_split, "metric": metric, "columns.text": text_column,
                "columns.text_pair": text_pair_column, "columns.label": label_column,
-               "keep_softmax_layers": _layer_list(keep_softmax_layers)}
+               "keep_softmax_layers": _layer_list(keep_softmax_layers), "encoding": encoding,
+               "skip_unreadable_images": skip_unreadable_images or None}
 
         def build():
             overrides = _overrides(cli, set_)
@@ -210,7 +217,10 @@ def _dry_run(config) -> None:
     if not needs_resolution(config):
         raise LunaConvertError("--dry-run shows what is inferred for your own data: pass --model and --data-dir "
                                "without a recipe (and without a GLUE/image benchmark --task)")
-    resolve_own_data(config, load_model(config.model), say=console.print)
+    from .data import text_encoding
+
+    with text_encoding(config.encoding):
+        resolve_own_data(config, load_model(config.model), say=console.print)
 
 
 def _run_pipeline(config, resume=None):
@@ -222,28 +232,27 @@ def _run_pipeline(config, resume=None):
     return run_conversion(config, resume=resume, console=console)
 
 
-def _print_results(results: dict) -> None:
+def _print_results(results) -> None:
+    """The finished run's scores (``results``: its ``run.results.RunResults``) as a table."""
     if results is None or not _is_main():
         return
     from rich.table import Table
 
-    table = Table(title=f"{results['recipe']} / {results['method']}  ({results['run_dir']})")
+    table = Table(title=f"{results.recipe} / {results.method}  ({results.run_dir})")
     for col in ("metric", "original", "converted", "recovered"):
         table.add_column(col, justify="right" if col != "metric" else "left")
-    for key, teacher_value in results["teacher_metrics"].items():
-        conv = results["converted_metrics"].get(key)
+    for key, teacher_value in results.teacher_metrics.items():
+        conv = results.converted_metrics.get(key)
         rec = f"{100 * conv / teacher_value:.1f}%" if conv is not None and teacher_value > 0 else "-"
-        star = " *" if key == results["headline_metric"] else ""
+        star = " *" if key == results.headline_metric else ""
         table.add_row(key + star, f"{teacher_value:.4f}", f"{conv:.4f}" if conv is not None else "-", rec)
     console.print(table)
-    console.print(f"* headline metric. {results['eval_examples']} eval examples; "
-                  f"{results['steps']['distill']} distil + {results['steps']['finetune']} finetune steps; "
-                  f"{results['timings']['total_s']:.0f} s")
-    cut = {k: v for k, v in (results.get("truncated_by_split") or {}).items() if v}
+    console.print(f"* headline metric. {results.eval_examples} eval examples; "
+                  f"{results.steps.distill} distil + {results.steps.finetune} finetune steps; "
+                  f"{results.timings.total_s:.0f} s")
+    cut = {k: v for k, v in results.truncated_by_split.items() if v}
     if cut:
-        from .run.config import RunConfig
-
-        console.print(f"truncated to max_length {RunConfig.from_dict(results['config']).train.max_length}: "
+        console.print(f"truncated to max_length {results.run_config().train.max_length}: "
                       + ", ".join(f"{n} {split} examples" for split, n in cut.items()))
 
 
@@ -259,6 +268,8 @@ def eval_(
     split: Optional[str] = typer.Option(None, "--split"),
     batch_size: int = typer.Option(64, "--batch-size"),
     max_examples: Optional[int] = typer.Option(None, "--max-examples"),
+    encoding: Optional[str] = typer.Option(None, "--encoding", help="Encoding of the csv/tsv/jsonl data files [the "
+                                           "run's, or utf-8]."),
     json_out: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
     heads: bool = typer.Option(False, "--heads", help="Converted model: also, per layer and head, the softmax "
                                "attention's row entropy and the KL from it to the linear attention."),
@@ -269,7 +280,7 @@ def eval_(
     from .run.pipeline import evaluate_model
 
     result = _guard(lambda: evaluate_model(path, task, data_dir, split, batch_size, max_examples=max_examples,
-                                           heads=heads))
+                                           heads=heads, encoding=encoding))
     if not _is_main():
         return
     if json_out:
@@ -458,7 +469,7 @@ def demo(
         torch.set_num_threads(previous_threads)
     _print_results(results)
     if results is not None and _is_main():
-        run_dir = Path(results["run_dir"])
+        run_dir = Path(results.run_dir)
         console.print(f"results in {run_dir}: {RESULTS_FILE}, {MODEL_CARD_FILE} (model card), {CURVES_FILE} "
                       f"(training curves), {MODEL_DIR}/ (the converted model; `luna-convert eval {run_dir}` "
                       "re-scores it)", soft_wrap=True, highlight=False)
@@ -548,8 +559,10 @@ def _guard(fn):
             raise
         err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
-    except KeyboardInterrupt:
-        err_console.print("interrupted; resume with --resume <run folder>")
+    except KeyboardInterrupt as e:
+        run_dir = getattr(e, "run_dir", None)  # errors.RunInterrupted: a run whose folder exists
+        err_console.print(f"interrupted; resume with: luna-convert run --resume {run_dir}" if run_dir else
+                          "interrupted", highlight=False, soft_wrap=True)
         raise typer.Exit(130)
 
 

@@ -11,7 +11,6 @@ training, not as a better attention.
 from __future__ import annotations
 
 import copy
-import json
 import math
 from dataclasses import fields, replace
 from pathlib import Path
@@ -21,6 +20,7 @@ from ..fileio import atomic_write_json, atomic_write_text
 from ..folder_layout import COMPARE_FILE, PLOT_FILE, RESULTS_FILE, TABLE_FILE
 from .config import CONTROL_METHOD, CONVERT_KEYWORD_OPTIONS, RunConfig
 from .pipeline import run_conversion
+from .results import RunResults
 from ..linear_methods.base import AttentionOptions
 from ..linear_methods.registry import get_method
 
@@ -56,14 +56,14 @@ def run_compare(config: RunConfig, methods: list[str], seeds: list[int], folder:
     if not seeds:
         raise LunaConvertError("compare needs at least one seed (--seeds 0,1,2)")
     say = console.print if console is not None else (lambda *a, **k: None)
-    runs: dict[str, list[dict]] = {}
+    runs: dict[str, list[RunResults]] = {}
     order = ([CONTROL_METHOD] if control else []) + list(methods)
     for seed in seeds:
         for method in order:
             run_dir = run_dir_for(folder, method, seed)
             if (run_dir / RESULTS_FILE).is_file():
                 say(f"{method} seed {seed}: finished earlier, read from {run_dir}")
-                results = json.loads((run_dir / RESULTS_FILE).read_text())
+                results = RunResults.read(run_dir / RESULTS_FILE)
             else:
                 # a copy: each run fills in its own settings (the method's recipe, own-data choices)
                 cfg = replace(copy.deepcopy(config), method=method, seed=seed, run_dir=str(run_dir), overwrite=True)
@@ -79,7 +79,7 @@ def run_compare(config: RunConfig, methods: list[str], seeds: list[int], folder:
             runs.setdefault(method, []).append(results)
     summary = {"case": config.name or config.model, "seeds": seeds, "methods": order,
                "rows": [summarise(method, runs[method]) for method in order],
-               "runs": {m: [r["run_dir"] for r in rs] for m, rs in runs.items()}}
+               "runs": {m: [r.run_dir for r in rs] for m, rs in runs.items()}}
     control_final = next((r["final"]["mean"] for r in summary["rows"] if r["method"] == CONTROL_METHOD), None)
     for row in summary["rows"]:
         row["pct_of_control"] = (100 * row["final"]["mean"] / control_final
@@ -100,20 +100,19 @@ def mean_std(values: list[float | None]) -> dict:
     return {"mean": mean, "std": std, "n": len(values)}
 
 
-def summarise(method: str, results: list[dict]) -> dict:
+def summarise(method: str, results: list[RunResults]) -> dict:
     """One table row: mean and spread over seeds of every stage score, % recovered and seconds per step."""
-    row = {"method": method, "headline_metric": results[0]["headline_metric"],
-           "teacher": mean_std([r["teacher_score"] for r in results]),
-           "recovered_pct": mean_std([r["recovered_pct"] for r in results])}
+    row = {"method": method, "headline_metric": results[0].headline_metric,
+           "teacher": mean_std([r.teacher_score for r in results]),
+           "recovered_pct": mean_std([r.recovered_pct for r in results])}
     for stage in STAGES:
-        row[stage] = mean_std([(r.get("stage_scores") or {}).get(stage, r["converted_score"] if stage == "final"
-                                                                     else None) for r in results])
-    row["distill_steps"] = results[0]["steps"]["distill"]
-    row["finetune_steps"] = results[0]["steps"]["finetune"]
-    row["s_per_finetune_step"] = mean_std([r["timings"]["finetune_s"] / max(1, r["steps"]["finetune"])
-                                           for r in results])
+        row[stage] = mean_std([r.stage_score(stage) for r in results])
+    row["distill_steps"] = results[0].steps.distill
+    row["finetune_steps"] = results[0].steps.finetune
+    row["s_per_finetune_step"] = mean_std([r.timings.finetune_s / max(1, r.steps.finetune)
+                                           if r.timings.finetune_s is not None else None for r in results])
     # Runs written before the per-head fit was recorded have none (`luna-convert eval RUN --heads` computes it).
-    row["attention_kl"] = mean_std([(r.get("head_fit") or {}).get("mean_kl") for r in results])
+    row["attention_kl"] = mean_std([r.attention_kl for r in results])
     return row
 
 

@@ -8,7 +8,6 @@ Everything comes from the run's ``results.json`` (which holds the run's config t
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from ..metrics import recovered_pct
 from .config import RunConfig
 from .recipes import available_recipes, load_recipe
 from ..folder_layout import MODEL_CARD_FILE, RESULTS_FILE
+from .results import RunResults
 
 LIBRARY_NAME = "luna-convert"
 # Settings that name or place a run rather than decide what it computes.
@@ -27,17 +27,17 @@ _NOT_IN_COMMAND = {"name", "description", "output_dir"}
 _FLAGS = {"model": "--model", "task": "--task", "data_dir": "--data-dir", "method": "--method"}
 
 
-def write_model_card(run_dir: str | Path, results: dict | None = None) -> Path:
+def write_model_card(run_dir: str | Path, results: RunResults | None = None) -> Path:
     """Write ``run_dir/README.md`` from ``results`` (default: the run's results.json); returns its path."""
     run_dir = Path(run_dir)
     if results is None:
-        results = json.loads((run_dir / RESULTS_FILE).read_text())
+        results = RunResults.read(run_dir / RESULTS_FILE)
     path = run_dir / MODEL_CARD_FILE
-    atomic_write_text(path, model_card_text(results, RunConfig.from_dict(results["config"])))
+    atomic_write_text(path, model_card_text(results, results.run_config()))
     return path
 
 
-def model_card_text(results: dict, config: RunConfig) -> str:
+def model_card_text(results: RunResults, config: RunConfig) -> str:
     """The card's text (front matter + body) for one finished run."""
     import yaml
 
@@ -45,16 +45,16 @@ def model_card_text(results: dict, config: RunConfig) -> str:
     return f"---\n{front}---\n\n{_body(results, config)}"
 
 
-def card_metadata(results: dict, config: RunConfig) -> dict:
+def card_metadata(results: RunResults, config: RunConfig) -> dict:
     task = task_for(config)
     pipeline_tag = ("image-classification" if task.kind == "image" else
                     "token-classification" if task.is_token_level else
                     "question-answering" if task.is_span_level else
                     "sentence-similarity" if task.is_embedding_level else "text-classification")
-    method = results["method"]
-    converted = results["converted_metrics"]
+    method = results.method
+    converted = results.converted_metrics
     meta: dict = {}
-    base = hub_model_id(results["model"])
+    base = hub_model_id(results.model or "")
     if base is not None:
         meta["base_model"] = base
     meta.update({
@@ -63,7 +63,7 @@ def card_metadata(results: dict, config: RunConfig) -> dict:
         "tags": ["linear-attention", method, LIBRARY_NAME, task.kind],
         "metrics": sorted({name.split("/")[-1] for name in converted}),
         "model-index": [{
-            "name": Path(str(results["run_dir"])).name,
+            "name": Path(results.run_dir).name,
             "results": [{
                 "task": {"type": pipeline_tag, "name": task.name},
                 "dataset": _dataset(task, config),
@@ -74,11 +74,11 @@ def card_metadata(results: dict, config: RunConfig) -> dict:
         "luna_convert": {
             "method": method,
             "method_options": _options(results, config),
-            "headline_metric": results["headline_metric"],
-            "teacher_score": results["teacher_score"],
-            "converted_score": results["converted_score"],
-            "recovered_pct": results["recovered_pct"],
-            "steps": results["steps"],
+            "headline_metric": results.headline_metric,
+            "teacher_score": results.teacher_score,
+            "converted_score": results.converted_score,
+            "recovered_pct": results.recovered_pct,
+            "steps": {"distill": results.steps.distill, "finetune": results.steps.finetune},
         },
     })
     return meta
@@ -123,55 +123,54 @@ def _yaml_scalar(value) -> str:
     return text.removesuffix("...").strip()
 
 
-def _options(results: dict, config: RunConfig) -> dict:
+def _options(results: RunResults, config: RunConfig) -> dict:
     """The options the conversion ran with (the method's defaults filled in), as results.json records them."""
-    return (results.get("conversion") or {}).get("options") or config.method_options
+    return (results.conversion.options if results.conversion else None) or config.method_options
 
 
 def _pct(x) -> str:
     return "-" if x is None else f"{x:.1f}%"
 
 
-def _body(results: dict, config: RunConfig) -> str:
-    method, headline = results["method"], results["headline_metric"]
+def _body(results: RunResults, config: RunConfig) -> str:
+    method, headline = results.method, results.headline_metric
     given = config.method_options
     options_text = ", ".join(f"`{k}={v}`" + ("" if k in given else " (default)")
                              for k, v in _options(results, config).items()) or "none"
-    steps = results["steps"]
-    conversion = results.get("conversion") or {}
+    steps, conversion = results.steps, results.conversion
     lines = [
-        f"# {Path(str(results['run_dir'])).name}",
+        f"# {Path(results.run_dir).name}",
         "",
-        f"`{results['model']}` with its softmax attention converted to **{method}** linear attention "
+        f"`{results.model}` with its softmax attention converted to **{method}** linear attention "
         f"({methods().get(method, '')}) by luna-convert, then trained back on "
-        f"**{results['task']}**.",
+        f"**{results.task}**.",
         "",
         "## Conversion",
         "",
         f"- method: `{method}`; options: {options_text}",
-        f"- attention modules converted: {len(conversion.get('modules', []))}, "
-        f"parameters added: {conversion.get('params_added', 0):,}"
+        f"- attention modules converted: {len(conversion.modules) if conversion else 0}, "
+        f"parameters added: {conversion.params_added if conversion else 0:,}"
         + (" (the control run: the original softmax model finetuned unconverted)" if not conversion else ""),
-        f"- training: {steps['distill']} attention-distillation steps, then {steps['finetune']} finetuning steps "
-        f"(lr {config.train.lr}, batch {config.train.batch_size}, seed {results['seed']})",
+        f"- training: {steps.distill} attention-distillation steps, then {steps.finetune} finetuning steps "
+        f"(lr {config.train.lr}, batch {config.train.batch_size}, seed {results.seed})",
         "",
         "## Results",
         "",
-        f"{results['eval_examples']} evaluation examples; headline metric **{headline}**.",
+        f"{results.eval_examples} evaluation examples; headline metric **{headline}**.",
         "",
         "| metric | teacher (softmax) | converted | recovered |",
         "|---|---:|---:|---:|",
     ]
-    for name, teacher in results["teacher_metrics"].items():
-        converted = results["converted_metrics"].get(name)
+    for name, teacher in results.teacher_metrics.items():
+        converted = results.converted_metrics.get(name)
         star = " *" if name == headline else ""
         pct = recovered_pct(converted, teacher, name.split("/")[-1]) if converted is not None else None
         lines.append(f"| {name}{star} | {teacher:.4f} | "
                      f"{'-' if converted is None else f'{converted:.4f}'} | {_pct(pct)} |")
     lines += [
         "",
-        f"Converted {headline} {results['converted_score']:.4f} against the teacher's {results['teacher_score']:.4f}: "
-        f"{_pct(results['recovered_pct'])} of the original recovered.",
+        f"Converted {headline} {results.converted_score:.4f} against the teacher's {results.teacher_score:.4f}: "
+        f"{_pct(results.recovered_pct)} of the original recovered.",
         "",
         "## How it was made",
         "",

@@ -13,9 +13,9 @@ from datetime import datetime
 from functools import partial
 from pathlib import Path
 
-from .autoconfig import needs_resolution, resolve_own_data, task_for
+from .autoconfig import needs_resolution, task_for
 from ..conversion import convert, feature_map_parameters, is_converted
-from ..errors import ConversionError, LunaConvertError
+from ..errors import LunaConvertError, RunInterrupted
 from ..fileio import atomic_write_json, atomic_write_text
 from ..folder_layout import (CONFIG_FILE, CONVERSION_FILE, CURVES_FILE, DISTILLED_DIR, LOG_FILE, MODEL_CARD_FILE,
                              MODEL_DIR, RESULTS_FILE, STAGES_FILE, STATE_FILE, TEACHER_FILE, WEIGHTS_FILE)
@@ -24,12 +24,14 @@ from ..metrics import headline_metric, recovered_pct
 from .config import CONTROL_METHOD, RunConfig
 from .model_card import write_model_card
 from .plots import write_curves
+from .results import ConversionSummary, RunResults, StepCounts, Timings
 from ..serialization import library_versions, save
 from ..engine.head_fit import head_fit
 from ..engine.lora import add_lora, merge_lora
 from ..engine.training import distill_attention, embedding_loss, finetune, read_trainer_state
 from ..tasks import get_task
-from .models import check_model_folder, example_inputs, load_model, missing_local_folder
+from .models import check_model_folder, load_model, missing_local_folder
+from .preflight import preflight
 from .teachers import ensure_builtin
 from ..engine.scoring import score
 from .task_data import TaskData, steps_for
@@ -171,8 +173,17 @@ def distill_steps(config: RunConfig) -> int:
 
 
 # ------------------------------------------------------------------------ run
-def run_conversion(config: RunConfig | None, resume: str | Path | None = None, console=None) -> dict:
-    """Convert the configured model and train it back; returns results.json's content."""
+def run_conversion(config: RunConfig | None, resume: str | Path | None = None, console=None) -> RunResults:
+    """Convert the configured model and train it back; returns the run's record (what results.json holds).
+    Interrupted (Ctrl-C): :class:`~luna_convert.errors.RunInterrupted`, naming the run folder once it exists."""
+    started: list[Path] = [Path(resume)] if resume is not None else []
+    try:
+        return _run_conversion(config, resume, console, started)
+    except KeyboardInterrupt as e:
+        raise RunInterrupted(started[-1] if started and started[-1].is_dir() else None) from e
+
+
+def _run_conversion(config: RunConfig | None, resume, console, started: list[Path]) -> RunResults:
     from accelerate.utils import set_seed
 
     t_start = time.perf_counter()
@@ -210,30 +221,17 @@ def run_conversion(config: RunConfig | None, resume: str | Path | None = None, c
     say = (console.print if console is not None and accelerator.is_main_process else (lambda *a, **k: None))
     timings: dict[str, float] = {}
 
-    source = ensure_builtin(config.model, accelerator, config.output_dir, console=say, data_dir=config.data_dir)
-    set_seed(config.seed)
-    loaded = load_model(source, task.num_labels if task else None, level=task.level if task else "sequence")
-    if loaded.note:
-        say(loaded.note)
-    if own_data:
-        resolve_own_data(config, loaded, say=say)
-        task = task_for(config)
-    if is_converted(loaded.model):
-        raise LunaConvertError(f"{config.model} is already converted to linear attention; start from the original")
+    checked = preflight(config, run_dir, accelerator, task, say)  # nothing is written before it passes
+    loaded, data, eval_loaders, train_loader = checked.loaded, checked.data, checked.eval_loaders, checked.train_loader
     control = config.method == CONTROL_METHOD
-    if not control:
-        _check_convertible(loaded.model, config.method, config.method_options, config.keep_softmax_layers)
-    data = TaskData(config, loaded, task, accelerator)
     task = data.task  # a token task's tag names come with the model, the embedding task's headline with the data
-    # both before conversion: the embedding task's targets are the unconverted model's embeddings
-    eval_loaders = data.eval_loaders()
-    train_loader = data.train_loader()  # read before the run folder appears: bad train data fails first
     if accelerator.is_main_process:
         if reuse:  # --overwrite: nothing of the old run may leak into this one
             _clear_run_folder(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         if resume is None:
             atomic_write_json(run_dir / CONFIG_FILE, config.to_dict())
+    started.append(run_dir)  # from here on, an interrupted run can be resumed
     accelerator.wait_for_everyone()
     say(f"{'resuming' if resume is not None else 'run folder'} {run_dir}", soft_wrap=True)
     model = loaded.model.to(accelerator.device)
@@ -324,7 +322,8 @@ def run_conversion(config: RunConfig | None, resume: str | Path | None = None, c
         lora = add_lora(model, rank=config.lora.rank, alpha=config.lora.alpha, dropout=config.lora.dropout)
         say(f"LoRA rank {lora.rank} on {lora.adapted_layers} linear layers: {lora.trainable_params:,} of "
             f"{lora.total_params:,} parameters train (adapters, the task head, what conversion added)")
-    say(f"finetuning on the task for {total} steps" + (f" (from step {start})" if start else ""))
+    say(f"finetuning on the task for {total} steps" + (f" (from step {start})" if start else "") if total else
+        "no finetuning (train.max_steps 0): the model is scored as it is now")
     set_seed(config.seed + 1)
     model, stage = finetune(accelerator, model, train_loader, steps=total, lr=t.lr, weight_decay=t.weight_decay,
                             schedule=t.schedule, warmup_ratio=t.warmup_ratio, max_grad_norm=t.max_grad_norm,
@@ -348,25 +347,21 @@ def run_conversion(config: RunConfig | None, resume: str | Path | None = None, c
         merge_lora(accelerator.unwrap_model(model))
     timings["total_s"] = time.perf_counter() - t_start
     teacher_score, converted_score = teacher["metrics"][headline], metrics[headline]
-    results = {
-        "recipe": config.name, "method": config.method, "task": task.name, "model": config.model,
-        "headline_metric": headline,
-        "teacher_score": teacher_score,
-        "converted_score": converted_score,
-        "recovered_pct": recovered_pct(converted_score, teacher_score, headline),
-        "stage_scores": {**stage_scores, "final": converted_score},
-        "head_fit": fit,
-        "lora": lora.to_dict() if lora is not None else None,
-        "method_recipe": method_recipe,
-        "teacher_metrics": teacher["metrics"], "converted_metrics": metrics,
-        "eval_examples": counted, "truncated_examples": data.truncated, "truncated_by_split": data.truncated_by_split,
-        "resolved": config.resolved,
-        "steps": {"distill": n_distill, "finetune": stage.steps},
-        "final_loss": stage.final_loss, "timings": timings, "seed": config.seed,
-        "num_processes": accelerator.num_processes, "device": str(accelerator.device),
-        "conversion": report.to_dict() if report else None, "config": config.to_dict(), "versions": library_versions(),
-        "run_dir": str(run_dir), "finished_at": datetime.now().astimezone().isoformat(),  # orders runs in `report`
-    }
+    results = RunResults(
+        recipe=config.name, method=config.method, task=task.name, model=config.model, headline_metric=headline,
+        teacher_score=teacher_score, converted_score=converted_score,
+        recovered_pct=recovered_pct(converted_score, teacher_score, headline),
+        stage_scores={**stage_scores, "final": converted_score}, head_fit=fit,
+        lora=lora.to_dict() if lora is not None else None, method_recipe=method_recipe,
+        teacher_metrics=teacher["metrics"], converted_metrics=metrics,
+        eval_examples=counted, truncated_examples=data.truncated, truncated_by_split=data.truncated_by_split,
+        resolved=config.resolved, steps=StepCounts(distill=n_distill, finetune=stage.steps),
+        final_loss=stage.final_loss, timings=Timings(**timings), seed=config.seed,
+        num_processes=accelerator.num_processes, device=str(accelerator.device),
+        conversion=ConversionSummary(**report.to_dict()) if report else None, config=config.to_dict(),
+        versions=library_versions(), run_dir=str(run_dir),
+        finished_at=datetime.now().astimezone().isoformat(),  # orders runs in `report`
+    )
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
@@ -375,46 +370,10 @@ def run_conversion(config: RunConfig | None, resume: str | Path | None = None, c
         # What people look at, then results.json last: it is what marks the run finished.
         write_model_card(run_dir, results)
         write_curves(run_dir, run_dir / LOG_FILE, results)
-        atomic_write_json(run_dir / RESULTS_FILE, results)
+        results.write(run_dir / RESULTS_FILE)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return results
-
-
-def _check_convertible(model, method: str, options: dict, keep_softmax_layers: list[int] = ()) -> None:
-    """Dry-run the conversion on the model as the run will use it, so that what only the model can tell
-    fails before the run folder is written: no supported attention, attention that cannot be converted
-    faithfully, keep_softmax_layers out of range, options that do not fit its heads (the options
-    themselves were checked with the config, ``RunConfig.validate``). A copy of the model that shares its
-    weights (only the module structure is copied) gets its first attention module converted and runs one
-    forward pass on a made-up input."""
-    import copy
-
-    import torch
-
-    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    probe = copy.deepcopy(model, memo=shared).eval()
-    chosen: list[str] = []
-
-    def first_only(_module, name: str) -> bool:
-        if not chosen:
-            chosen.append(name)
-        return name == chosen[0]
-
-    with torch.random.fork_rng(devices=[]):  # the run's seeded RNG stream stays as it is
-        # raises the explanatory ConversionError
-        convert(probe, method, filter_fn=first_only, keep_softmax_layers=keep_softmax_layers, **options)
-        args, kwargs = example_inputs(probe)
-        try:
-            with torch.no_grad():
-                probe(*args, **kwargs)
-        except (RuntimeError, ValueError, TypeError) as e:
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            what = f"method {method!r}" + (f" with options {options}" if options else "")
-            hint = ("fix --set method_options... (defaults: `luna-convert methods`)" if options else
-                    "this model cannot be converted with it (rerun with --debug to see where it failed)")
-            raise ConversionError(f"{what} cannot run on {type(model).__name__} (test forward of {chosen[0]}: "
-                                  f"{reason}); {hint}") from e
 
 
 def _logger(accelerator, run_dir: Path):
@@ -430,7 +389,7 @@ def _logger(accelerator, run_dir: Path):
 # ----------------------------------------------------------------------- eval
 def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | None = None,
                    split: str | None = None, batch_size: int = 64, max_length: int | None = None,
-                   max_examples: int | None = None, heads: bool = False) -> dict:
+                   max_examples: int | None = None, heads: bool = False, encoding: str | None = None) -> dict:
     """Metrics of a saved converted model, a run folder, or an original checkpoint; ``heads``: also
     the per-head fit of the linear attention to softmax (``engine.head_fit``)."""
     from accelerate import Accelerator
@@ -459,9 +418,11 @@ def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | No
     task = task_for(run_config) if run_config.resolved and not task else get_task(task_name)
     # The run's data and preprocessing (max_length, image_size), scored with this command's batches and split.
     config = replace(run_config, data_dir=data_dir if data_dir is not None else run_config.data_dir, eval_split=split,
+                     encoding=encoding or run_config.encoding,
                      train=replace(run_config.train, eval_batch_size=batch_size, max_eval_examples=max_examples,
                                    max_train_examples=None, batch_size=batch_size,
                                    max_length=max_length or run_config.train.max_length))
+    config.validate()  # --encoding
     loaded = load_model(source, task.num_labels, level=task.level)
     if heads and not is_converted(loaded.model):
         raise LunaConvertError(f"{source} is not converted: --heads compares a converted model's linear attention "

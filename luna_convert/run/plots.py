@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..fileio import atomic_write_bytes
 from ..folder_layout import CURVES_FILE, RESULTS_FILE
+from .results import RunResults
 
 STAGE_TITLES = {"distill": "attention distillation (feature maps only)", "finetune": "finetuning (task loss)"}
 
@@ -29,20 +30,20 @@ def loss_series(log_file: str | Path) -> dict[str, tuple[list[int], list[float]]
     return series
 
 
-def curves_png(log_file: str | Path, results: dict | None = None) -> bytes | None:
+def curves_png(log_file: str | Path, results: RunResults | None = None) -> bytes | None:
     """The curves of the steps in ``log_file`` as PNG bytes (the scores of ``results`` marked),
     or None when the log holds no step."""
     series = loss_series(log_file) if Path(log_file).is_file() else {}
     return _render(series, results) if series else None
 
 
-def write_curves(run_dir: str | Path, log_file: str | Path, results: dict | None = None) -> Path | None:
+def write_curves(run_dir: str | Path, log_file: str | Path, results: RunResults | None = None) -> Path | None:
     """Write ``run_dir/curves.png`` (atomically) from the run's step log, scores from ``results``
     (default: the run's results.json, if any); None (nothing written) when the log holds no step."""
     run_dir = Path(run_dir)
     results_file = run_dir / RESULTS_FILE
     if results is None and results_file.is_file():
-        results = json.loads(results_file.read_text())
+        results = RunResults.read(results_file)
     png = curves_png(log_file, results)
     if png is None:
         return None
@@ -51,7 +52,7 @@ def write_curves(run_dir: str | Path, log_file: str | Path, results: dict | None
     return path
 
 
-def _render(series: dict, results: dict | None) -> bytes:
+def _render(series: dict, results: RunResults | None) -> bytes:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -70,21 +71,20 @@ def _render(series: dict, results: dict | None) -> bytes:
         ax.grid(alpha=0.3)
     if results is not None:
         _mark_score(axes[-1], series[stages[-1]][0][-1], results)
-        fig.suptitle(f"{results['method']} on {results['task']}", fontsize=11)
+        fig.suptitle(f"{results.method} on {results.task}", fontsize=11)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90)
     return buffer.getvalue()
 
 
-def _mark_score(ax, last_step: int, results: dict) -> None:
+def _mark_score(ax, last_step: int, results: RunResults) -> None:
     """The evaluation after the last step, on a second y axis: the converted score as a star, the teacher's as a line."""
-    metric = results["headline_metric"]
+    metric, teacher, converted = results.headline_metric, results.teacher_score, results.converted_score
     score_ax = ax.twinx()
-    score_ax.axhline(results["teacher_score"], color="#888888", linestyle="--", linewidth=1,
-                     label=f"teacher {metric} {results['teacher_score']:.4f}")
-    score_ax.plot([last_step], [results["converted_score"]], marker="*", markersize=14, color="#d62728",
-                  linestyle="none", label=f"converted {metric} {results['converted_score']:.4f}")
+    score_ax.axhline(teacher, color="#888888", linestyle="--", linewidth=1, label=f"teacher {metric} {teacher:.4f}")
+    score_ax.plot([last_step], [converted], marker="*", markersize=14, color="#d62728",
+                  linestyle="none", label=f"converted {metric} {converted:.4f}")
     score_ax.margins(y=0.25)  # neither mark on the frame
     score_ax.set_ylabel(f"eval {metric}", color="#d62728")
     score_ax.legend(loc="center right", fontsize=8)

@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..run.autoconfig import OWN_DATA_TASKS
+from ..run.results import RunResults
 from ..errors import LunaConvertError
 from ..fileio import atomic_write_text
 from ..folder_layout import RESULTS_FILE
@@ -16,16 +17,13 @@ from ..metrics import LOWER_IS_BETTER
 
 
 
-def find_runs(paths: list[Path]) -> list[dict]:
+def find_runs(paths: list[Path]) -> list[RunResults]:
     """Every run's results, oldest finish first."""
     finished = []
     for path in paths:
         files = [path / RESULTS_FILE] if (path / RESULTS_FILE).is_file() else sorted(path.glob(f"*/{RESULTS_FILE}"))
         for f in files:
-            try:
-                run = json.loads(f.read_text())
-            except (OSError, ValueError) as e:
-                raise LunaConvertError(f"cannot read {f} ({e}); remove that run folder or pass the others") from None
+            run = RunResults.read(f)
             finished.append((finish_time(run, f), run))
     if not finished:
         raise LunaConvertError(f"no {RESULTS_FILE} found in {', '.join(map(str, paths))}; pass run folders under outputs/")
@@ -33,10 +31,10 @@ def find_runs(paths: list[Path]) -> list[dict]:
     return [run for _, run in finished]
 
 
-def finish_time(run: dict, results_file: Path) -> datetime:
+def finish_time(run: RunResults, results_file: Path) -> datetime:
     """When the run finished: its recorded ``finished_at``, else (runs written before it was recorded)
     the results file's modification time. Folder names do not order runs: they start with the recipe's name."""
-    stamp = run.get("finished_at")
+    stamp = run.finished_at
     if stamp is None:
         return datetime.fromtimestamp(results_file.stat().st_mtime, tz=timezone.utc)
     try:
@@ -47,13 +45,13 @@ def finish_time(run: dict, results_file: Path) -> datetime:
     return when if when.tzinfo is not None else when.astimezone()  # no zone: local time, as datetime.now() writes
 
 
-def task_column(run: dict) -> str:
+def task_column(run: RunResults) -> str:
     """A benchmark task by its name; a run on the user's own data by its data folder and task,
     so that two own-data sets of the same kind get two columns."""
-    data_dir = (run.get("config") or {}).get("data_dir")
-    if run["task"] in OWN_DATA_TASKS and data_dir:
-        return f"{Path(str(data_dir).rstrip('/')).name} ({run['task']})"
-    return run["task"]
+    data_dir = run.config.get("data_dir")  # the raw record: old runs' configs need not validate today
+    if run.task in OWN_DATA_TASKS and data_dir:
+        return f"{Path(str(data_dir).rstrip('/')).name} ({run.task})"
+    return run.task
 
 
 def build_report(paths: list[Path], output: Path | None = None) -> dict:
@@ -62,9 +60,9 @@ def build_report(paths: list[Path], output: Path | None = None) -> dict:
     ratio of means  = 100 * mean(converted scores) / mean(original scores)   (Hedgehog's 99.3 %)
     mean of ratios  = mean over tasks of 100 * converted / original
     """
-    cells: dict[tuple[str, str], dict] = {}
+    cells: dict[tuple[str, str], RunResults] = {}
     for run in find_runs(paths):  # oldest first: the last finished run per cell wins
-        cells[(run["method"], task_column(run))] = run
+        cells[(run.method, task_column(run))] = run
     tasks = sorted({t for _, t in cells})
     methods = sorted({m for m, _ in cells})
     rows = []
@@ -75,13 +73,13 @@ def build_report(paths: list[Path], output: Path | None = None) -> dict:
             run = cells.get((method, task))
             if run is None:
                 continue
-            row["tasks"][task] = {"teacher": run["teacher_score"], "converted": run["converted_score"],
-                                  "recovered_pct": run["recovered_pct"]}
-            if run.get("headline_metric") not in LOWER_IS_BETTER:  # error metrics do not average with scores
-                teacher.append(run["teacher_score"])
-                converted.append(run["converted_score"])
-            if run["recovered_pct"] is not None:
-                ratios.append(run["recovered_pct"])
+            row["tasks"][task] = {"teacher": run.teacher_score, "converted": run.converted_score,
+                                  "recovered_pct": run.recovered_pct}
+            if run.headline_metric not in LOWER_IS_BETTER:  # error metrics do not average with scores
+                teacher.append(run.teacher_score)
+                converted.append(run.converted_score)
+            if run.recovered_pct is not None:
+                ratios.append(run.recovered_pct)
         mean_t = sum(teacher) / len(teacher) if teacher else 0.0
         row["ratio_of_means_pct"] = 100 * (sum(converted) / len(converted)) / mean_t if mean_t > 0 else None
         row["mean_of_ratios_pct"] = sum(ratios) / len(ratios) if ratios else None

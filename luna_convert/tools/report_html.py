@@ -16,6 +16,7 @@ from pathlib import Path
 from ..errors import LunaConvertError
 from ..fileio import atomic_write_text
 from ..run.plots import CURVES_FILE
+from ..run.results import RunResults
 from .report import RESULTS_FILE, build_report, find_runs, table_rows, task_column
 
 BENCH_FILE, BENCH_PLOT = "bench.json", "bench.png"
@@ -45,7 +46,7 @@ def write_html_report(paths: list[Path], html_path: str | Path, rep: dict | None
     html_path = check_html_path(html_path)
     paths = [Path(p) for p in paths]
     rep = rep if rep is not None else build_report(paths)
-    runs = [(run, run_folder(run, paths)) for run in sorted(find_runs(paths), key=lambda r: r["run_dir"])]
+    runs = [(run, run_folder(run, paths)) for run in sorted(find_runs(paths), key=lambda r: r.run_dir)]
     atomic_write_text(html_path, html_report(rep, runs, bench_folders(paths)))
     return html_path
 
@@ -59,15 +60,15 @@ def check_html_path(html_path: str | Path) -> Path:
     return html_path
 
 
-def run_folder(run: dict, paths: list[Path]) -> Path:
+def run_folder(run: RunResults, paths: list[Path]) -> Path:
     """Where a found run's folder is now: among ``paths`` (as find_runs looks: the path itself or
     one level down) by its name, else where results.json says it was written."""
-    name = Path(str(run["run_dir"])).name
+    name = Path(run.run_dir).name
     for path in paths:
         for candidate in (path, path / name):
             if candidate.name == name and (candidate / RESULTS_FILE).is_file():
                 return candidate
-    return Path(str(run["run_dir"]))
+    return Path(run.run_dir)
 
 
 def bench_folders(paths: list[Path]) -> list[Path]:
@@ -79,7 +80,7 @@ def bench_folders(paths: list[Path]) -> list[Path]:
     return found
 
 
-def html_report(rep: dict, runs: list[tuple[dict, Path]], benches: list[Path]) -> str:
+def html_report(rep: dict, runs: list[tuple[RunResults, Path]], benches: list[Path]) -> str:
     """The page: table, bar chart of % recovered, each run's curves, each bench plot."""
     parts = [
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
@@ -93,8 +94,8 @@ def html_report(rep: dict, runs: list[tuple[dict, Path]], benches: list[Path]) -
         "<h2>Training curves</h2>",
     ]
     for run, folder in runs:
-        caption = escape(f"{run['method']} on {task_column(run)}: {run['headline_metric']} "
-                         f"{run['converted_score']:.4f} (teacher {run['teacher_score']:.4f}), {folder.name}")
+        caption = escape(f"{run.method} on {task_column(run)}: {run.headline_metric} "
+                         f"{run.converted_score:.4f} (teacher {run.teacher_score:.4f}), {folder.name}")
         parts.append(_figure(folder / CURVES_FILE, f"training curves of {folder.name}", caption,
                              missing=f"no {CURVES_FILE} in {folder}"))
     if benches:
