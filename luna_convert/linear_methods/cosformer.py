@@ -42,7 +42,9 @@ def _position_trig(rank: torch.Tensor, length: torch.Tensor, prefix: int, dtype:
     real tokens; with ``prefix`` tokens, patches count from 0 and M is the patch count."""
     if prefix:
         rank = rank - prefix  # prefix ranks go negative and are unused
-        length = (length - prefix).clamp_min(1)
+        length = length - prefix
+    # at least 1: an all-padding example (length 0) would give 0 / 0, and its NaN reaches every gradient
+    length = length.clamp_min(1)
     angle = (math.pi / 2) * rank.to(torch.float64) / length[:, None].to(torch.float64)  # [B or 1, n]
     return torch.stack([torch.sin(angle), torch.cos(angle)], -1).to(dtype)
 

@@ -101,10 +101,11 @@ static inline v4d load4d(const double *p) {
 
 static inline void store4d(double *p, v4d v) { memcpy(p, &v, sizeof v); }
 
-/* max(f, 0) per lane as the scalar f > 0 ? f : 0 (NaN and -0 give +0): f's bits where f > 0, else zero bits. */
+/* max(f, 0) per lane as the scalar f < 0 ? 0 : f (-0 gives -0; NaN stays NaN, as in torch.relu: a diverged model
+   must not look healthy): f's bits unless f < 0, where zero bits. */
 static inline v8f relu8(v8f f) {
     const v8f zero = {0};
-    return (v8f)((v8i)f & (f > zero));
+    return (v8f)((v8i)f & ~(f < zero));
 }
 
 /* relu(slope[idx[i]] x[i] + intercept[idx[i]]) for the e scalars of x: out [e, L]. `lanes8`: eight channels per
@@ -135,7 +136,7 @@ static inline void channel_features(const float *x, int64_t e, const int32_t L, 
             store8(o + l, relu8(load8(sl + l) * u + load8(ic + l)));
         for (; l < L; ++l) {
             float f = sl[l] * u + ic[l];
-            o[l] = f > 0.0f ? f : 0.0f;
+            o[l] = f < 0.0f ? 0.0f : f; /* NaN stays NaN */
         }
     }
 }

@@ -235,7 +235,8 @@ def row_source(table: torch.Tensor) -> torch.Tensor:
     index_select of 8-byte rows runs ~3x slower than of 8-byte scalars (CPU, one thread, 3.1M indices,
     fastest of 15: 11.2 vs 3.5 ms); the bits are only moved.
     """
-    wide = _ROW_AS_ONE.get(table.shape[1] * table.element_size())
+    # Graphs (torch.compile, torch.export, ONNX) gather the float rows: ONNX has no bit view of a tensor.
+    wide = None if torch.compiler.is_compiling() else _ROW_AS_ONE.get(table.shape[1] * table.element_size())
     table = table.detach()  # read, never differentiated: the gradient goes to the table itself
     return table if wide is None or not table.is_contiguous() else table.view(wide).view(-1)
 
@@ -425,8 +426,11 @@ def channel_features_of(psi, *us: torch.Tensor, scale: float = 1.0,
             if locate.grid is not None:  # else crowded knots: searchsorted, on the PyTorch path
                 return tuple(native_channel_features(u, slope, intercept, locate.grid, norm_eps).to(u.dtype)
                              for u in us)
-    feats = scalar_channels_of(psi, *us, scale=scale)
-    return feats if norm_eps is None else tuple(sum_normalize(f, -2, norm_eps) for f in feats)
+    if norm_eps is None:
+        return scalar_channels_of(psi, *us, scale=scale)
+    # normalised from the float32 values: in half precision a channel value or its sum can overflow
+    feats = scalar_channels_of(psi, *(u.to(compute) for u in us), scale=scale)
+    return tuple(sum_normalize(f, -2, norm_eps).to(u.dtype) for f, u in zip(feats, us))
 
 
 def feature_rows_apply(psi, projections: int, *tensors: torch.Tensor) -> bool:

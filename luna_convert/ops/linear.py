@@ -28,8 +28,11 @@ def _sums_and_products(phi_q, phi_k, v, keep):
 
 
 def _values_kept(v: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """The values as the core takes them: v without a key mask, else [m v | m] (a fresh contiguous tensor)."""
-    return v if keep is None else torch.nn.functional.pad(v, (0, 1), value=1.0).mul_(keep)
+    """The values as the core takes them: v without a key mask (copied only where its columns are not adjacent:
+    the native products read rows of unit column stride), else [m v | m] (a fresh contiguous tensor)."""
+    if keep is None:
+        return v if v.stride(-1) == 1 or v.shape[-1] == 1 else v.contiguous()
+    return torch.nn.functional.pad(v, (0, 1), value=1.0).mul_(keep)
 
 
 def _keys_kept(key_mask: torch.Tensor | None) -> torch.Tensor | None:
