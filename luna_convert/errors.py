@@ -27,3 +27,11 @@ def unknown_name(kind: str, name: str, choices: Iterable[str]) -> UnknownNameErr
     close = difflib.get_close_matches(name, choices, n=3)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
     return UnknownNameError(f"unknown {kind} {name!r}.{hint} Available: {', '.join(choices)}")
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C; ``run_dir``: its folder, to resume from (None: nothing was written yet)."""
+
+    def __init__(self, run_dir=None):
+        super().__init__(run_dir)
+        self.run_dir = run_dir

@@ -57,12 +57,14 @@ def atomic_write_json(path: str | Path, data) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(path: str | Path, overwrite: bool = False,
+                     overwrite_hint: str = "pass --overwrite") -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it takes the place of ``path``.
 
     A new ``path`` appears in one rename. An existing one is swapped by two renames (old aside,
     new in); a crash between them leaves the old folder as ``.<name>.old``, which the next call
-    for ``path`` puts back first. Either way, ``path`` is never a half-written folder.
+    for ``path`` puts back first. Either way, ``path`` is never a half-written folder. ``overwrite_hint``: how
+    the caller's user allows replacing a folder (an option on the command line, an argument in Python).
     """
     path = Path(path)
     old = path.with_name(f".{path.name}.old")
@@ -71,7 +73,7 @@ def atomic_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path
     if path.exists() and not path.is_dir():
         raise LunaConvertError(f"{path} is a file; choose a folder name")
     if path.exists() and any(path.iterdir()) and not overwrite:
-        raise LunaConvertError(f"{path} already exists and is not empty; choose another folder or pass --overwrite")
+        raise LunaConvertError(f"{path} already exists and is not empty; choose another folder or {overwrite_hint}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:

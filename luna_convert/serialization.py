@@ -11,7 +11,9 @@ Folder layout::
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 from pathlib import Path
 
 from safetensors import SafetensorError
@@ -28,6 +30,18 @@ from .model_building import TIMM_ARGS_ATTR, create_timm_model, timm_create_args
 from .sentence_embedding import SentenceEmbedder, write_layout
 
 FORMAT_VERSION = 1
+# linear_attention.json's record of model.safetensors' content, checked at load: flipped bytes that keep the
+# file's size and header intact load silently otherwise (and give inf logits).
+DIGEST_KEY = "weights_sha256"
+logger = logging.getLogger(__name__)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def library_versions() -> dict[str, str]:
@@ -78,10 +92,11 @@ def save(model: nn.Module, directory: str | Path, tokenizer=None, processor=None
         **(extra or {}),
     }
     directory = Path(directory)
-    with atomic_directory(directory, overwrite=overwrite) as tmp:
+    with atomic_directory(directory, overwrite=overwrite, overwrite_hint="pass overwrite=True") as tmp:
         if meta["model"]["library"] == "transformers":
             model.config.save_pretrained(tmp)
         save_model(model, str(tmp / WEIGHTS_FILE))
+        meta[DIGEST_KEY] = file_sha256(tmp / WEIGHTS_FILE)
         for files in (tokenizer, processor):
             if files is not None:
                 files.save_pretrained(tmp)
@@ -110,9 +125,45 @@ def read_metadata(directory: str | Path) -> dict:
                     "luna_convert.convert")
         raise LunaConvertError(f"{directory} is not a luna-convert model folder (no {CONVERSION_FILE}); {hint}")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LunaConvertError(f"{path} is corrupt ({e}); re-run the conversion or restore the file") from None
+    check_metadata(meta, path)
+    return meta
+
+
+def check_metadata(meta, path: Path) -> None:
+    """linear_attention.json holds what :func:`load` reads, each field of its type; a folder written by a newer
+    format is refused (this version could misread it)."""
+    def bad(field: str, what: str) -> LunaConvertError:
+        return LunaConvertError(f"{path}: field {field!r} {what}; the file is damaged or was edited: restore it or "
+                                "save the model again")
+
+    if not isinstance(meta, dict):
+        raise LunaConvertError(f"{path} holds a JSON {type(meta).__name__}, not an object; restore it or save the "
+                               "model again")
+    version = meta.get("format_version", 1)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise bad("format_version", f"is {version!r}, not a whole number")
+    if version > FORMAT_VERSION:
+        raise LunaConvertError(f"{path.parent} was saved by a newer luna-convert (format_version {version}; this "
+                               f"version reads up to {FORMAT_VERSION}): upgrade luna-convert to load it")
+    spec = meta.get("model")
+    if not isinstance(spec, dict):
+        raise bad("model", "is missing (how to rebuild the model)" if spec is None else "is not an object")
+    if spec.get("library") not in ("transformers", "timm"):
+        raise bad("model.library", f"is {spec.get('library')!r}, not 'transformers' or 'timm'")
+    if spec["library"] == "transformers" and not isinstance(spec.get("class"), str):
+        raise bad("model.class", "is missing or not a class name")
+    conversion = meta.get("conversion")
+    if conversion is not None:
+        if not isinstance(conversion, dict):
+            raise bad("conversion", "is not an object")
+        for field, kind in (("method", str), ("targets", list), ("options", dict)):
+            if not isinstance(conversion.get(field), kind):
+                raise bad(f"conversion.{field}", f"is missing or not a {kind.__name__}")
+    if meta.get(DIGEST_KEY) is not None and not isinstance(meta[DIGEST_KEY], str):
+        raise bad(DIGEST_KEY, "is not a hex digest")
 
 
 def build_model(spec: dict, directory: Path) -> nn.Module:
@@ -122,7 +173,23 @@ def build_model(spec: dict, directory: Path) -> nn.Module:
         return create_timm_model(**args)
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(directory)
+    config_file = directory / HF_CONFIG_FILE
+    try:
+        fields = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise LunaConvertError(f"{config_file} is missing; the folder is incomplete, restore it or save the model "
+                               "again") from None
+    except (OSError, ValueError) as e:
+        raise LunaConvertError(f"{config_file} is corrupt ({type(e).__name__}: {str(e)[:200]}); restore it or save "
+                               "the model again") from None
+    if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
+        raise LunaConvertError(f"{config_file}: field 'model_type' is missing; the file is damaged or was edited: "
+                               "restore it or save the model again")
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise LunaConvertError(f"{config_file} cannot be read as a {fields['model_type']} config ({type(e).__name__}: "
+                               f"{(str(e).splitlines() or [''])[0][:200]}); restore it or save the model again") from None
     cls = getattr(transformers, spec["class"], None)
     if cls is None:
         raise LunaConvertError(f"transformers {transformers.__version__} has no class {spec['class']}; install the "
@@ -154,6 +221,7 @@ def load(directory: str | Path) -> nn.Module:
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise LunaConvertError(f"{weights} is missing; the folder is incomplete, re-run or restore it")
+    _check_digest(weights, meta.get(DIGEST_KEY))
     try:
         missing, unexpected = load_model(model, str(weights), strict=False)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
@@ -173,3 +241,13 @@ def load(directory: str | Path) -> nn.Module:
             f"{sorted(unexpected)[:3]}); the folder was edited or written by another version"
         )
     return model.eval()
+
+
+def _check_digest(weights: Path, recorded: str | None) -> None:
+    if recorded is None:  # saved before the digest was recorded: nothing to check against
+        logger.warning("note: %s has no recorded SHA-256 (saved by an older luna-convert): its content is not "
+                       "checked; save it again to record one", weights)
+        return
+    if file_sha256(weights) != recorded:
+        raise LunaConvertError(f"{weights} does not match the SHA-256 recorded when it was saved (its bytes changed "
+                               "since: a damaged copy or disk?); copy it again or re-run the conversion")

@@ -127,11 +127,11 @@ def test_transformers_vit_runs_every_method_through_the_pipeline(hf_vit_setup, t
 
 def test_preflight_check_leaves_the_model_untouched():
     from luna_convert.conversion import is_converted
-    from luna_convert.run.pipeline import _check_convertible
+    from luna_convert.run.preflight import check_convertible
 
     model = make_hf_vit()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    _check_convertible(model, "luna", {})
+    check_convertible(model, "luna", {})
     assert not is_converted(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(m._forward_hooks for m in model.modules())  # the probe's grid hook is on its own copy

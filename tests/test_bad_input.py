@@ -132,7 +132,7 @@ RUN_CASES = [
     ("--set unknown schedule", lambda w, o: run_args(w["bert"], w["sst2"], o, "--set", "train.schedule=wavy"),
      "train.schedule must be linear, cosine or constant, got 'wavy'"),
     ("--set negative max_steps", lambda w, o: run_args(w["bert"], w["sst2"], o, "--set", "train.max_steps=-5"),
-     "train.max_steps must be a positive integer, or 0 or null"),
+     "train.max_steps must be a whole number of steps (0: no finetuning), or null"),
     ("--set warmup_ratio >= 1", lambda w, o: run_args(w["bert"], w["sst2"], o, "--set", "train.warmup_ratio=2"),
      "train.warmup_ratio must be a fraction in [0, 1)"),
     ("--set negative checkpoint_every",

@@ -20,6 +20,7 @@ from luna_convert.run.recipes import apply_overrides, load_recipe
 DEFAULTS_BEFORE = {
     "name": None, "description": "", "model": None, "task": None, "data_dir": None, "eval_split": None,
     "train_split": None, "metric": None, "columns": {"text": None, "text_pair": None, "label": None},
+    "encoding": None, "skip_unreadable_images": False,  # added since, with defaults that read as before
     "method": "luna", "method_options": {}, "keep_softmax_layers": [], "seed": 42, "output_dir": "outputs",
     "train": {"lr": 2e-5, "added_lr": None, "weight_decay": 0.01, "schedule": "linear", "warmup_ratio": 0.06,
               "epochs": 3.0, "max_steps": None, "batch_size": 32, "eval_batch_size": 64, "grad_accum": 1,
@@ -149,7 +150,8 @@ RANGE_CASES = [
     ({"keep_softmax_layers": "0"}, "keep_softmax_layers must be a list of layer indices, e.g. [0, 5], got '0'"),
     ({"method": "softmax", "keep_softmax_layers": [0]}, "keep_softmax_layers needs a linear method"),
     ({"train.mixed_precision": "fp8"}, "train.mixed_precision must be no, bf16 or fp16, got 'fp8'"),
-    ({"train.max_steps": -5}, "train.max_steps must be a positive integer, or 0 or null (then train.epochs counts), "
+    ({"train.max_steps": -5}, "train.max_steps must be a whole number of steps (0: no finetuning), or null (then "
+                              "train.epochs counts), "
                               "got -5; fix it with --set train.max_steps=..."),
     ({"train.epochs": 0}, "train.epochs must be a positive number, got 0.0"),
     ({"train.checkpoint_every": -1}, "train.checkpoint_every must be a whole number of steps"),

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from .hub import datasets_source, datasets_split_name, load_datasets_dict
 from .image_loader import image_transform, make_image_dataloader
-from .images import DigitsDataset, ImageFolderDataset
+from .images import DECODE_ALL_UP_TO, DigitsDataset, ImageFolderDataset, readable_images
 from .labels import align_labels, model_label_names, normalize_label_name, short_list, token_label_names
 from .loading import load_split
 from .splits import canonical_split
-from .tables import TABLE_EXTENSIONS, find_split_file, read_table
+from .tables import TABLE_EXTENSIONS, find_split_file, read_table, text_encoding
 from .sentences import embedding_texts, has_similarity_scores, sentence_dataset
 from .squad import qa_dataset
 from .text_loader import (QAExample, align_word_labels, answer_token_span, make_embedding_dataloader,
@@ -53,6 +53,9 @@ __all__ = [
     "TABLE_EXTENSIONS",
     "find_split_file",
     "read_table",
+    "text_encoding",
+    "readable_images",
+    "DECODE_ALL_UP_TO",
     "datasets_source",
     "load_datasets_dict",
     "datasets_split_name",

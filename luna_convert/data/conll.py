@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import LunaConvertError
 from ..tasks import TaskSpec
 from .labels import int_or_none
-from .tables import find_split_file, pick_column, read_table
+from .tables import find_split_file, pick_column, read_table, read_text
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +26,7 @@ def read_conll(path: Path) -> dict[str, list]:
     one word a line with its tag in the last column (space or tab separated; other columns, such as
     CoNLL-2003's part-of-speech and chunk tags, are ignored), blank lines between sentences, ``-DOCSTART-``
     lines skipped."""
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise LunaConvertError(f"{path} is not UTF-8 text ({e.reason}); save it as UTF-8") from None
+    text = read_text(path)
     cols: dict[str, list] = {"tokens": [], "ner_tags": [], "source": []}
     words: list[str] = []
     tags: list[str] = []

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import csv
 import logging
-import sys
 from pathlib import Path
 
 from ..errors import LunaConvertError
 from ..tasks import TaskSpec
 from .labels import parse_labels
 from .splits import canonical_split, is_test_split
-from .tables import read_table_split, task_dataset
+from .tables import read_rows, read_table_split, task_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +31,7 @@ _GLUE_LABEL_HEADERS: dict[str, str] = {
 
 
 def _read_tsv_rows(path: Path) -> list[list[str]]:
-    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-    try:
-        with open(path, encoding="utf-8-sig", newline="") as f:
-            return [row for row in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE) if row]
-    except UnicodeDecodeError as e:
-        raise LunaConvertError(f"{path} is not UTF-8 text ({e}); save it as UTF-8") from None
+    return [row for _, row in read_rows(path, "\t")]
 
 
 def read_glue_tsv(task: TaskSpec, path: Path, split: str):

@@ -12,6 +12,10 @@ from ..tasks import TaskSpec
 from .labels import int_or_none
 from .splits import canonical_split, subset_indices
 
+# An ImageFolder split of up to this many images is decoded whole before a run writes anything: a corrupt or
+# truncated file (PIL's verify() passes truncated JPEGs) is found then, not at the first step that reads it.
+# Larger splits are decoded as they are read; a file that fails then is named in the error.
+DECODE_ALL_UP_TO = 20_000
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".pgm", ".tif", ".tiff", ".gif")
 # split name -> folder names tried in data_dir, in order
 _IMAGE_SPLIT_DIRS: dict[str, tuple[str, ...]] = {
@@ -52,8 +56,11 @@ class ImageFolderDataset(_ImageDatasetBase):
         from PIL import Image
 
         path, y = self.samples[index]
-        with Image.open(path) as img:
-            img = img.convert("RGB")
+        try:
+            with Image.open(path) as img:
+                img = img.convert("RGB")
+        except Exception as e:  # noqa: BLE001 - PIL's decoders raise many kinds on a damaged file: all are bad input
+            raise unreadable_image(path, e) from None
         return img, self._target(y)
 
     def subset(self, indices: Sequence[int]) -> "ImageFolderDataset":
@@ -163,6 +170,42 @@ def _load_image_folder(task: TaskSpec, data_dir: Path, split: str) -> ImageFolde
             f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {split_dir}; expected {split_dir}/<class name>/<image>.jpg|png"
         )
     return ImageFolderDataset(split_dir, all_classes, samples)
+
+
+_SKIP_HINT = "replace or remove it, or pass --skip-unreadable-images to leave unreadable images out"
+
+
+def unreadable_image(path: str, error: BaseException) -> LunaConvertError:
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    out = LunaConvertError(f"cannot decode image {path} ({reason}); {_SKIP_HINT}")
+    out.reason = reason
+    return out
+
+
+def readable_images(dataset, skip: bool = False):
+    """``dataset`` with every image decoded once: (the dataset, the paths of the images that did not decode).
+
+    Images that do not decode are an error naming them, or with ``skip`` left out of the returned dataset. Only
+    ImageFolder splits are checked, and those above :data:`DECODE_ALL_UP_TO` images only with ``skip`` (else
+    each image is checked as it is read)."""
+    if not isinstance(dataset, ImageFolderDataset) or len(dataset) > DECODE_ALL_UP_TO and not skip:
+        return dataset, []
+    bad: dict[int, str] = {}  # index -> why it did not decode
+    for i in range(len(dataset)):
+        try:
+            dataset[i]
+        except LunaConvertError as e:
+            bad[i] = getattr(e, "reason", str(e))
+    if not bad:
+        return dataset, []
+    paths = [dataset.samples[i][0] for i in bad]
+    first = next(iter(bad.values()))
+    if not skip or len(bad) == len(dataset):
+        shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        what = f"image {shown}" if len(paths) == 1 else f"{len(paths)} of {len(dataset)} images: {shown}"
+        hint = _SKIP_HINT if not skip else "no image is left to use"
+        raise LunaConvertError(f"cannot decode {what} ({first}); {hint}")
+    return dataset.subset(sorted(set(range(len(dataset))) - set(bad))), paths
 
 
 def _interleave_by_class(labels: Sequence[int]) -> list[int]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import LunaConvertError
 from ..tasks import TaskSpec
 from .labels import int_or_none, is_missing
-from .tables import find_split_file, read_table
+from .tables import find_split_file, read_table, read_text
 
 QA_FILE_EXTENSIONS = (".json", ".jsonl", ".parquet")
 SQUAD_LAYOUT = ('SQuAD v1.1 JSON ({"data": [{"paragraphs": [{"context", "qas": [{"id", "question", '
@@ -117,11 +117,10 @@ def datasets_qa_split(ds, where: str):
 def read_qa_file(path: Path):
     """One QA file: SQuAD v1.1 JSON, or a table (JSON lines, a JSON list, parquet) with question, context, answers."""
     if path.suffix.lower() == ".json":
+        text = read_text(path)
         try:
-            obj = json.loads(path.read_text(encoding="utf-8-sig"))
-        except UnicodeDecodeError as e:
-            raise LunaConvertError(f"{path} is not UTF-8 text ({e.reason}); save it as UTF-8") from None
-        except json.JSONDecodeError:
+            obj = json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
             obj = None  # maybe JSON lines named .json: read as a table
         if is_squad_json(obj):
             return qa_dataset(flatten_squad(obj, path.name), path.name)

@@ -3,11 +3,14 @@ reading its columns, and renaming them to the task's text and label columns."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import sys
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from ..errors import LunaConvertError
 from ..tasks import TaskSpec
@@ -24,6 +27,54 @@ _PAIR_TEXT_ALIASES = (
     ("sentence2", "text_pair", "hypothesis", "question2", "sentence", "text_b"),
 )
 LABEL_COLUMN_ALIASES = ("labels", "gold_label", "is_duplicate", "score", "target", "class")
+
+# The text files' encoding for the readers below; a run sets it for its loading (``text_encoding``), so that every
+# reader (tables, GLUE, CoNLL, QA, sentences, own-data detection) gets it without each call passing it on.
+_ENCODING: ContextVar[str | None] = ContextVar("luna_convert_text_encoding", default=None)
+
+
+@contextlib.contextmanager
+def text_encoding(name: str | None) -> Iterator[None]:
+    """Text data files are read in ``name`` inside this block (None: UTF-8, a BOM allowed)."""
+    token = _ENCODING.set(name)
+    try:
+        yield
+    finally:
+        _ENCODING.reset(token)
+
+
+def read_text(path: Path) -> str:
+    """A text data file's content in the encoding in force (:func:`text_encoding`); bytes it cannot decode are
+    a one-line error naming the file, the line and ``--encoding``."""
+    raw = path.read_bytes()
+    encoding = _ENCODING.get()
+    try:
+        return raw.decode(encoding or "utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")  # a UTF-16 byte-order mark (Excel's "Unicode text")
+        example = "utf-16" if utf16 else "cp1252"
+        raise LunaConvertError(
+            f"{path} is not {encoding or 'UTF-8'} text: line {line} has byte 0x{raw[e.start]:02x} ({e.reason}); "
+            f"pass the file's encoding with --encoding (e.g. --encoding {example}) or save it as UTF-8") from None
+
+
+def read_rows(path: Path, delimiter: str) -> list[tuple[int, list[str]]]:
+    """The non-blank rows of a CSV (``,``) or TSV (tab, no quoting) file, each with its line number."""
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+    f = io.StringIO(read_text(path), newline="")
+    if delimiter == "\t":
+        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+    else:
+        reader = csv.reader(f)
+    rows = []
+    try:
+        for row in reader:
+            if row:
+                rows.append((reader.line_num, row))
+    except csv.Error as e:  # e.g. a quote left open at the end of the file
+        raise LunaConvertError(f"{path}: line {reader.line_num} cannot be parsed ({e}); fix that row") from None
+    return rows
 
 
 def task_dataset(task: TaskSpec, columns: dict[str, list], labels: list):
@@ -54,12 +105,12 @@ def read_table(path: Path) -> dict[str, list]:
         except Exception as e:  # noqa: BLE001 - any reader failure is a bad file
             raise LunaConvertError(f"cannot read parquet file {path}: {e}") from None
     if suffix in (".jsonl", ".json"):
-        text = path.read_text(encoding="utf-8-sig")
+        text = read_text(path)
         records: list | None = None
         if suffix == ".json":
             try:
                 obj = json.loads(text) if text.strip() else []
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 obj = None  # maybe JSON lines named .json
             if isinstance(obj, dict) and "data" in obj and isinstance(obj["data"], list):
                 obj = obj["data"]
@@ -76,6 +127,9 @@ def read_table(path: Path) -> dict[str, list]:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise LunaConvertError(f"{path}: line {lineno} is not valid JSON ({e.msg}); expected one object per line") from None
+                except RecursionError:
+                    raise LunaConvertError(f"{path}: line {lineno} nests too deeply to read; expected one flat object "
+                                           "per line") from None
         if not all(isinstance(r, dict) for r in records):
             raise LunaConvertError(f"{path}: expected JSON objects (one per line, or a list of objects)")
         keys: list[str] = []
@@ -83,21 +137,22 @@ def read_table(path: Path) -> dict[str, list]:
             for k in r:
                 if k not in keys:
                     keys.append(k)
+        if not records:
+            raise LunaConvertError(f"{path} is empty; expected JSON objects with the data's columns")
         return {k: [r.get(k) for r in records] for k in keys}
     # .csv / .tsv with a header row
     delimiter = "\t" if suffix == ".tsv" else ","
-    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        if delimiter == "\t":
-            reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        else:
-            reader = csv.reader(f)
-        rows = [row for row in reader if row]
+    rows = read_rows(path, delimiter)
     if not rows:
-        return {}
-    header = [h.strip() for h in rows[0]]
+        raise LunaConvertError(f"{path} is empty; expected a header row naming the columns, then the data rows")
+    header = [h.strip() for h in rows[0][1]]
     cols: dict[str, list] = {h: [] for h in header}
-    for row in rows[1:]:
+    for number, (line, row) in enumerate(rows[1:], 1):
+        if len(row) > len(header) and any(field.strip() for field in row[len(header):]):
+            hint = ("a text holding a tab splits its row: remove the tab" if delimiter == "\t" else
+                    'a text holding a comma must be quoted ("...")')
+            raise LunaConvertError(f"{path}: row {number} (line {line}) has {len(row)} fields but the header has "
+                                   f"{len(header)}; {hint}")
         for i, h in enumerate(header):
             cols[h].append(row[i] if i < len(row) else None)
     return cols

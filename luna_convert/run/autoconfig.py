@@ -472,8 +472,9 @@ def resolve_own_data(config: RunConfig, loaded, say: Callable[[str], None] | Non
         hparams["train.max_length"] = {"value": value, "why": why}
         length_info = {"max_length": value, "percentile_99": _percentile(lengths, 99), "longest": max(lengths, default=0),
                        "train_examples_cut": cut, "measured_on": sampled, "model_positions": limit}
-    if t.max_steps:
-        hparams["train.max_steps"] = {"value": t.max_steps, "why": "given, overrides epochs"}
+    if t.max_steps is not None:
+        hparams["train.max_steps"] = {"value": t.max_steps,
+                                      "why": "given, overrides epochs" if t.max_steps else "given: no finetuning"}
 
     resolved = {
         "task": spec.name,

@@ -45,7 +45,7 @@ class TrainSettings:
     schedule: str = "linear"  # linear | cosine | constant
     warmup_ratio: float = 0.06
     epochs: float = 3.0
-    max_steps: int | None = None  # overrides epochs when set
+    max_steps: int | None = None  # optimizer steps, overriding epochs (0: no finetuning); null: epochs count
     batch_size: int = 32
     eval_batch_size: int = 64
     grad_accum: int = 1
@@ -106,6 +106,9 @@ class RunConfig:
     train_split: str | None = None  # default: the task's train split (own data: the file/folder/split called train)
     metric: str | None = None  # headline metric; default: the task's (accuracy for classification, pearson for regression)
     columns: ColumnSettings = field(default_factory=ColumnSettings)
+    encoding: str | None = None  # of the text data files (csv, tsv, json lines); null: UTF-8, a BOM allowed
+    # ImageFolder images that do not decode: left out of the run (and counted) instead of refused
+    skip_unreadable_images: bool = False
     method: str = "luna"
     method_options: dict = field(default_factory=dict)
     # attention layers (0-based; negative from the end) left softmax: a hybrid
@@ -224,8 +227,13 @@ class RunConfig:
 
         checks = [
             ("train.max_steps", t.max_steps, t.max_steps is None or _is_int(t.max_steps) and t.max_steps >= 0,
-             "a positive integer, or 0 or null (then train.epochs counts)"),
-            ("train.epochs", t.epochs, bool(t.max_steps) or _is_number(t.epochs) and t.epochs > 0, "a positive number"),
+             "a whole number of steps (0: no finetuning), or null (then train.epochs counts)"),
+            ("train.epochs", t.epochs, t.max_steps is not None or _is_number(t.epochs) and t.epochs > 0,
+             "a positive number"),
+            ("encoding", self.encoding, self.encoding is None or _is_codec(self.encoding),
+             "a text encoding Python knows (e.g. utf-8, cp1252, latin-1) or null (UTF-8)"),
+            ("skip_unreadable_images", self.skip_unreadable_images, isinstance(self.skip_unreadable_images, bool),
+             "true or false"),
             ("train.checkpoint_every", t.checkpoint_every, _is_int(t.checkpoint_every) and t.checkpoint_every >= 0,
              "a whole number of steps (0: no intermediate checkpoints)"),
             ("train.warmup_ratio", t.warmup_ratio, _is_number(t.warmup_ratio) and 0 <= t.warmup_ratio < 1,
@@ -328,3 +336,12 @@ def _is_int(x) -> bool:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_codec(name) -> bool:
+    import io
+
+    try:  # as open() checks it: codecs that are not text encodings (hex, zlib, ...) are refused too
+        return isinstance(name, str) and io.TextIOWrapper(io.BytesIO(), encoding=name).encoding == name
+    except LookupError:
+        return False

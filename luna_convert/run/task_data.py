@@ -37,10 +37,15 @@ class TaskData:
         t = config.train
         loaded_splits: dict = {}  # (split, limit) -> dataset: the embedding task reads its eval split twice
 
+        self.skipped_images: dict[str, list[str]] = {}  # split -> images left out (skip_unreadable_images)
+
         def load(name: str, limit):
             if (name, limit) not in loaded_splits:
-                loaded_splits[name, limit] = data.load_split(task, name, config.data_dir, max_examples=limit,
-                                                             seed=config.seed)
+                with data.text_encoding(config.encoding):
+                    dataset = data.load_split(task, name, config.data_dir, max_examples=limit, seed=config.seed)
+                # every image decoded now (up to a size), before the run writes anything
+                dataset, self.skipped_images[name] = data.readable_images(dataset, config.skip_unreadable_images)
+                loaded_splits[name, limit] = dataset
             return loaded_splits[name, limit]
 
         if task.is_embedding_level:
@@ -140,7 +145,7 @@ def _check_image_labels(dataset, num_labels: int, split: str) -> None:
 
 def steps_for(config: RunConfig, loader, accelerator) -> int:
     t = config.train
-    if t.max_steps:
+    if t.max_steps is not None:  # 0 too: no finetuning
         return int(t.max_steps)
     per_process = math.ceil(len(loader) / accelerator.num_processes)
     # an epoch's last, short accumulation window is an update too (as accelerate does it)
