@@ -138,3 +138,145 @@ def test_relative_links_exist(path):
         if not (path.parent / file).exists():
             missing.append(target)
     assert not missing, f"{path.name} links to missing files: {missing}"
+
+
+# ------------------------------------------------------------------ the docs describe the product as it is
+# Development history has no place in the project: numbered work sessions or rounds, and the emphasised
+# session titles of the old work log (`[*]`, so that this file does not match itself).
+HISTORY = re.compile(r"\b[Ss]essions? \d+|\b[Rr]ound \d+|[*]Session")
+
+
+def history_scanned_files() -> list[Path]:
+    """The pages, and every source, test, script and benchmark file (comments and strings are read with
+    the code: no identifier can match the patterns, which need a space before the number)."""
+    package = ROOT / "luna_convert"
+    files = [*PAGES, ROOT / "CONTRIBUTING.md", *sorted(package.rglob("*.py")), *sorted(package.rglob("*.c")),
+             *sorted((ROOT / "tests").glob("*.py"))]
+    for folder in ("scripts", "benchmarks"):
+        files += sorted(path for path in (ROOT / folder).iterdir() if path.is_file())
+    return [path for path in files if "__pycache__" not in path.parts]
+
+
+def history_hits(text: str) -> list[tuple[int, str]]:
+    return [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1) if HISTORY.search(line)]
+
+
+def test_history_pattern_catches_the_old_wording():
+    """The scan is not vacuous: each form the old pages used is caught, and the words the rule allows are not."""
+    # written as templates, so that this file passes its own scan
+    for template in ("measured in {s}ession 12", "{S}essions 23 and 24", "(docs/x.md, {star}{S}ession 19{star})",
+                     "{r}ound 5's defaults", "{R}ound 4 gave"):
+        wording = template.format(s="s", S="S", r="r", R="R", star="*")
+        assert history_hits(wording), wording
+    for allowed in ("def pytest_sessionstart(session):", "ort.InferenceSession(path)", "around 5 ms",
+                    "round(x, 2)", "one session of training"):
+        assert not history_hits(allowed), allowed
+    assert len(history_scanned_files()) > 100
+
+
+def test_no_development_history_in_docs_code_or_tests():
+    found = []
+    for path in history_scanned_files():
+        for number, line in history_hits(path.read_text(errors="replace")):
+            found.append(f"{path.relative_to(ROOT)}:{number}: {line[:120]}")
+    assert not found, "development history (say what holds now, and cite a command):\n" + "\n".join(found)
+
+
+README_TEST_COMMAND = ".venv/bin/pip install -e '.[test]' && HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q"
+
+
+def test_readme_is_short_and_keeps_the_test_command_and_the_links():
+    text = (ROOT / "README.md").read_text()
+    assert len(text) <= 10_000, f"README.md is {len(text)} characters (at most 10,000)"
+    assert README_TEST_COMMAND in text.splitlines()  # CI runs this line
+    assert "](CONTRIBUTING.md#package-map)" in text
+    assert "](docs/benchmarks.md)" in text and "](docs/quality.md)" in text
+
+
+def test_docs_fit_their_budget():
+    """docs/ stays a product manual: at most 150 KB in all, one design-decisions page of at most 15 KB,
+    and no work log."""
+    sizes = {path.name: path.stat().st_size for path in (ROOT / "docs").iterdir() if path.is_file()}
+    assert sum(sizes.values()) <= 150_000, sizes
+    assert sizes["design-decisions.md"] <= 15_000
+    assert "performance-log.md" not in sizes
+
+
+# ------------------------------------------------------------------ one package map (CONTRIBUTING.md)
+PACKAGE = ROOT / "luna_convert"
+MAP_ROW_NAMES = re.compile(r"`([^`]+)`")
+
+
+def package_map_rows(text: str) -> list[str]:
+    """The names in the first cell of each table row of CONTRIBUTING.md's *Package map* section."""
+    section = text.split("\n## Package map\n", 1)[1].split("\n## ", 1)[0]
+    names = []
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            names += MAP_ROW_NAMES.findall(line.split("|")[1])
+    return names
+
+
+def package_modules() -> set[str]:
+    """Every Python and C module of the package, relative to it; a subpackage's ``__init__.py`` is its
+    folder, whose docstring points to the map instead of repeating it."""
+    modules = set()
+    for path in [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.c")]:
+        relative = path.relative_to(PACKAGE)
+        if "__pycache__" in relative.parts or (path.name == "__init__.py" and len(relative.parts) > 1):
+            continue
+        modules.add(relative.as_posix())
+    return modules
+
+
+def test_the_package_map_names_every_module_and_only_modules_that_exist():
+    named = package_map_rows((ROOT / "CONTRIBUTING.md").read_text())
+    assert len(named) > 50, "the map's rows were not found"
+    missing = sorted(package_modules() - set(named))
+    assert not missing, f"modules without a row in CONTRIBUTING.md's Package map: {missing}"
+    gone = [name for name in named if not (PACKAGE / name).exists()]
+    assert not gone, f"CONTRIBUTING.md's Package map names files that do not exist: {gone}"
+    assert len(named) == len(set(named)), "a module has two rows"
+
+
+def test_the_map_check_can_fail():
+    """A module without a row, and a row without a module, are both seen."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    first_row = next(line for line in text.split("\n## Package map\n", 1)[1].splitlines() if line.startswith("| `"))
+    assert len(package_map_rows(text.replace(first_row + "\n", ""))) == len(package_map_rows(text)) - 1
+    assert "ops/no_such_module.py" in package_map_rows(text.replace(
+        first_row, first_row + "\n| `ops/no_such_module.py` | nothing |"))
+
+
+def listed_modules(docstring: str, stems: set[str]) -> set[str]:
+    """Module names a docstring lists: quoted (``name``, `name`, name.py) or at the start of an indented
+    "name   description" line."""
+    quoted = set(re.findall(r"`+(\w+)(?:\.py|\.c)?`+", docstring))
+    listed = set(re.findall(r"^\s+(\w+)\s{2,}\S", docstring, re.MULTILINE))
+    return (quoted | listed) & stems
+
+
+@pytest.mark.parametrize("init", sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.glob("*/__init__.py")))
+def test_subpackage_docstrings_point_to_the_map_instead_of_repeating_it(init):
+    import ast
+
+    path = PACKAGE / init
+    docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+    stems = {p.stem for p in path.parent.iterdir() if p.suffix in (".py", ".c") and p.stem != "__init__"}
+    listed = listed_modules(docstring, stems)
+    assert len(listed) < 3, (f"{init}'s docstring lists modules {sorted(listed)}: say what the package is and "
+                             "point to CONTRIBUTING.md's Package map, the one map")
+
+
+def test_the_docstring_check_can_fail():
+    assert listed_modules("One concern a module: ``splits``, ``labels`` and ``tables``.", {"splits", "labels", "tables"})
+    assert len(listed_modules("Tensor math.\n\n    dtypes     the rule\n    linear     the core\n"
+                              "    reference  N x N\n", {"dtypes", "linear", "reference"})) == 3
+
+
+def test_no_second_package_map_in_the_readme_or_docs():
+    """A table whose rows start with the package's modules or folders lives only in CONTRIBUTING.md."""
+    for path in PAGES:
+        rows = [line for line in path.read_text().splitlines()
+                if re.match(r"^\| `[\w/]+(\.py|/)`", line)]
+        assert len(rows) < 3, f"{path.name} holds a package map ({rows[:3]}); link CONTRIBUTING.md#package-map"

@@ -1,14 +1,8 @@
 """Loading task data (GLUE TSV / CSV / JSON lines / parquet / CoNLL / SQuAD JSON / the hub cache / ImageFolder /
 scikit-learn digits) and turning it into deterministic PyTorch DataLoaders.
 
-One concern a module: ``splits`` (split names, subsets), ``labels`` (label values, class names,
-:func:`align_labels`), ``tables`` (local table files), ``glue`` (GLUE TSV files and the hub's GLUE),
-``conll`` (word-level tagged data for token tasks: CoNLL files, word and tag lists), ``squad`` (extractive QA
-data: SQuAD JSON, question / context / answers tables), ``sentences`` (texts and scored sentence pairs to
-embed), ``images`` (image
-datasets), ``hub`` (hub datasets and save_to_disk folders), ``loading``
-(:func:`load_split`), ``text_loader`` and ``image_loader`` (DataLoaders). Imports run one way, in
-that order.
+One concern a module, imported one way; which module holds what, in that order: CONTRIBUTING.md,
+*Package map*. The rest of the package imports from this package itself.
 
 Heavy libraries (datasets, transformers, torchvision, sklearn, pandas) are imported inside
 the functions that need them.

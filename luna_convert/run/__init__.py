@@ -1,2 +1,1 @@
-"""A run: its config (recipes, defaults for your own data), teachers, the convert-and-train pipeline, comparisons
-and what a run folder holds."""
+"""A run, stage by stage, and what its folder holds. Which module holds what: CONTRIBUTING.md, *Package map*."""

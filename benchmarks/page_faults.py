@@ -4,8 +4,8 @@ Times one attention layer (12 heads x 64, batch 1, one thread, thread CPU time) 
 N = 8192 and 16384 on the plain path and the streamed path, and counts the minor page
 faults of each call. Run it twice to compare allocators:
 
-    python docs/page_faults.py
-    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 python docs/page_faults.py
+    python benchmarks/page_faults.py
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 python benchmarks/page_faults.py
 
 The second line stops glibc from mapping (and unmapping) big buffers fresh for every
 call, so the faults, and the extra time, go away. See docs/benchmarks.md.
