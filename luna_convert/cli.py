@@ -438,6 +438,49 @@ def compare(
 
 
 @app.command()
+def lra(
+    task: str = typer.Argument(..., help="listops, image, pathfinder, text or retrieval."),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="softmax (exact attention) or a registered "
+                                         "method [the recipe's, else softmax]."),
+    protocol: str = typer.Option("cpu", "--protocol", help="cpu (the reduced budget) or paper (the full one, "
+                                 "for a GPU): the recipe luna_convert/recipes/lra/<task>-<protocol>.yaml."),
+    recipe: Optional[Path] = typer.Option(None, "--recipe", help="A YAML recipe file instead of --protocol's."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size"),
+    lr: Optional[float] = typer.Option(None, "--lr"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="image: an ImageFolder; text: class folders of "
+                                           ".txt files; retrieval: train.tsv and test.tsv of document pairs."),
+    cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="Where generated sets are kept "
+                                            "[~/.cache/luna_convert/lra]."),
+    output_dir: Optional[str] = typer.Option(None, "--output-dir", help="Parent folder for run outputs [outputs]."),
+    set_: List[str] = typer.Option([], "--set", help="Any LRA setting as key=value (repeatable), e.g. "
+                                   "encoder.layers=4, data.train_examples=5000, method_options.luna.channels=4."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this folder from its last checkpoint."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Let a new run replace the run in --run-dir."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Write the run into this folder "
+                                           "[OUTPUT_DIR/lra-<task>-<method>-<time>]."),
+) -> None:
+    """Train the small Long Range Arena encoder from scratch with one attention method; writes a run folder."""
+    from .lra.config import load_lra_config
+    from .lra.train import run_lra, summary_line
+
+    if resume is not None:
+        results = _guard(lambda: run_lra(None, resume=resume, console=console))
+    else:
+        cli = {"method": method, "seed": seed, "data_dir": data_dir, "cache_dir": cache_dir, "output_dir": output_dir,
+               "train.max_steps": max_steps, "train.batch_size": batch_size, "train.lr": lr}
+
+        def build():
+            config = load_lra_config(task, protocol, str(recipe) if recipe else None, _overrides(cli, set_))
+            config.overwrite, config.run_dir = overwrite or None, str(run_dir) if run_dir else None
+            return config
+
+        results = _guard(lambda: run_lra(_guard(build), console=console))
+    console.print(summary_line(results), soft_wrap=True, highlight=False)
+
+
+@app.command()
 def demo(
     method: str = typer.Option("luna", "--method", "-m"),
     output_dir: str = typer.Option("outputs", "--output-dir"),
