@@ -1,5 +1,8 @@
 """The README and docs/ stay honest: every `luna-convert ...` command in their fenced code blocks parses
-(run in-process through the CLI with --help appended), and every relative link points to an existing file."""
+(run in-process through the CLI with --help appended), and every relative link points to an existing file.
+They describe the product as it is: no development history in the pages, the code, the tests, the scripts
+or the benchmarks; a README of at most 10,000 characters that keeps CI's test command; docs/ within its
+budget; and one package map, CONTRIBUTING.md's, checked against the tree."""
 
 from __future__ import annotations
 
