@@ -1,4 +1,4 @@
-"""Audit issue 15, items 3 and 9: the DWC branch sees the true patch grid of every input, and
+"""The DWC branch sees the true patch grid of every input, and
 attention an adapter cannot convert faithfully is refused."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Audit issue 15, items 0, 0b and 8: transformers ViT checkpoints saved with their image processor,
+"""Transformers ViT checkpoints saved with their image processor,
 unexpected exceptions in the CLI, every method through the pipeline on a transformers ViT, and
 saving timm models made with plain ``timm.create_model``."""
 

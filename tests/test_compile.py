@@ -164,7 +164,7 @@ def ops_per_forward(method: str, tokens: int, train: bool = False, **options) ->
 # aten calls per eval forward, projections excluded, of a layer after the model's first: the second call
 # with the same mask tensor, whose key-padding reading the first call keeps (the first layer reads it:
 # 15 calls more for 5.x's bool [B, 1, N, N] mask, 21 for 4.57's float one, see the test above), so both
-# transformers versions count the same. Views count. Measured with 5.x; before (issue #14, the mask read
+# transformers versions count the same. Views count. Measured with 5.x; before (the mask read
 # in every layer, 5.x): cosformer 87, ela 68, elu 53, flexformer 97, hedgehog 83, llops 101, luna 141-145,
 # performer 88, relu 51, sorting 254, taylor 69, t2r 62: the core now folds the mask and the denominator
 # into its two products (relu's core: 21 -> 17 calls), the mask is read once per model forward.

@@ -516,7 +516,7 @@ def test_depthwise_conv_tokens_plus_takes_the_native_pass_only_where_it_applies(
 
 
 def test_tables_cached_under_inference_mode_are_not_saved_for_backward():
-    """Evaluate under inference mode, freeze the feature map, train what is around it (issue 15, item 1)."""
+    """Evaluate under inference mode, freeze the feature map, train what is around it."""
     torch.manual_seed(0)
     fm = LunaFeatureMap(8, 2, **PAPER_OPTIONS)
     reference = LunaFeatureMap(8, 2, fast=False, **PAPER_OPTIONS)
@@ -533,7 +533,7 @@ def test_tables_cached_under_inference_mode_are_not_saved_for_backward():
 
 @pytest.mark.parametrize("edit", ["b2", "w1", "swap"])
 def test_cache_never_returns_stale_tables_after_edits_through_data(edit):
-    """``.data`` edits (EMA, weight surgery, some loaders) do not bump ``_version`` (issue 15, item 2)."""
+    """``.data`` edits (EMA, weight surgery, some loaders) do not bump ``_version``."""
     psi = _bank(False)
     u = torch.randn(20, 8) * 2
     with torch.no_grad():
@@ -549,7 +549,7 @@ def test_cache_never_returns_stale_tables_after_edits_through_data(edit):
 
 
 def test_streamed_backward_table_scope_is_per_thread():
-    """Two threads in the streamed backward at once: each uses its own tables (issue 10, layout).
+    """Two threads in the streamed backward at once: each uses its own tables.
 
     Thread A's backward recomputes its features while thread B is paused inside its own
     backward; with one module-global scope A picked up B's tables and lost their gradients."""

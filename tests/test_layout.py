@@ -1,4 +1,4 @@
-"""The layout (issue 10): the two kinds of attention core, the per-call context, the method
+"""The layout: the two kinds of attention core, the per-call context, the method
 registry and its options, folders saved before the options dataclasses, and the import graph."""
 
 from __future__ import annotations

@@ -538,7 +538,7 @@ SMALL_OPTIONS = {"luna": {"projections": 2, "channels": 2, "hidden": 3}, "t2r": 
 @pytest.mark.parametrize("name, path", [(name, path) for path in ("plain", "streamed") for name in MAPS
                                         if path == "plain" or name in STREAMED_MAPS])
 def test_float64_is_computed_in_float64(name, path):
-    """float64 inputs keep their precision on both paths (issue 15, item 5): values match the float64
+    """float64 inputs keep their precision on both paths: values match the float64
     explicit N x N form to ~1e-12 (float32 arithmetic is off by ~1e-7) and gradcheck passes."""
     g = torch.Generator().manual_seed(15)
     torch.manual_seed(15)
