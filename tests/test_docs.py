@@ -283,3 +283,28 @@ def test_no_second_package_map_in_the_readme_or_docs():
         rows = [line for line in path.read_text().splitlines()
                 if re.match(r"^\| `[\w/]+(\.py|/)`", line)]
         assert len(rows) < 3, f"{path.name} holds a package map ({rows[:3]}); link CONTRIBUTING.md#package-map"
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.*)$", path.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+@pytest.mark.parametrize("path", [*PAGES, ROOT / "CONTRIBUTING.md"], ids=lambda p: p.name)
+def test_links_to_a_section_find_its_heading(path):
+    missing = []
+    for target in LINK.findall(path.read_text()):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or "#" not in target:
+            continue
+        file, anchor = target.split("#", 1)
+        page = path.parent / file if file else path
+        if page.suffix == ".md" and page.exists() and anchor not in heading_anchors(page):
+            missing.append(target)
+    assert not missing, f"{path.name} links to sections that do not exist: {missing}"
+
+
+def test_the_anchor_rule_matches_githubs():
+    assert {"lunas-defaults-start-at-hedgehogs-kernel", "a-busy-machine---background-load-n"} <= {
+        re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-")
+        for h in ("LUNA's defaults start at Hedgehog's kernel", "A busy machine: `--background-load N`")}
