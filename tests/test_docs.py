@@ -308,3 +308,34 @@ def test_the_anchor_rule_matches_githubs():
     assert {"lunas-defaults-start-at-hedgehogs-kernel", "a-busy-machine---background-load-n"} <= {
         re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-")
         for h in ("LUNA's defaults start at Hedgehog's kernel", "A busy machine: `--background-load N`")}
+
+
+# ------------------------------------------------------------------ every figure with its command and date
+MEASURED_PAGES = ["README.md", "docs/benchmarks.md", "docs/quality.md", "docs/design-decisions.md", "docs/results.md"]
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+COMMAND = re.compile(r"```bash|`(luna-convert|python|\.venv/bin/|/usr/bin/time)[^`]*`")
+FIGURE_ROW = re.compile(r"^\|.*\b\d+\.\d+\b.*\|\s*$", re.MULTILINE)
+
+
+def sections_without_provenance(text: str) -> list[str]:
+    """Titles of the ``##`` sections that hold a table of measured figures (a decimal number outside code)
+    but name no date or no command."""
+    missing = []
+    for section in re.split(r"\n(?=## )", text):
+        figures = FIGURE_ROW.search(re.sub(r"`[^`\n]*`", "", section))
+        if figures and not (DATE.search(section) and COMMAND.search(section)):
+            missing.append(section.splitlines()[0])
+    return missing
+
+
+@pytest.mark.parametrize("name", MEASURED_PAGES)
+def test_every_table_of_figures_names_its_command_and_date(name):
+    missing = sections_without_provenance((ROOT / name).read_text())
+    assert not missing, f"{name}: sections with measured figures but no command or date: {missing}"
+
+
+def test_the_provenance_check_can_fail():
+    table = "| method | ms |\n| --- | ---: |\n| luna | 43.3 |\n"
+    assert sections_without_provenance(f"## Speed\n\n{table}") == ["## Speed"]
+    assert sections_without_provenance(f"## Speed\n\n2026-12-04:\n\n```bash\nluna-convert bench\n```\n\n{table}") == []
+    assert sections_without_provenance("## Options\n\n| option | default |\n| --- | --- |\n| `--set a=0.5` | off |\n") == []
