@@ -18,7 +18,7 @@ _EXPORTS = {
     "convert": "conversion", "is_converted": "conversion", "ConversionConfig": "conversion",
     "ConversionReport": "conversion",
     "methods": "linear_methods", "METHODS": "linear_methods", "FEATURE_MAPS": "linear_methods",
-    "save": "serialization", "load": "serialization", "create_timm_model": "model_building",
+    "save": "serialization", "load": "serialization", "export_model": "export", "create_timm_model": "model_building",
     "LunaConvertError": "errors", "ConversionError": "errors", "UnknownNameError": "errors",
 }
 __all__ = sorted(_EXPORTS)

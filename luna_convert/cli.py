@@ -570,6 +570,27 @@ def _layer_list(text: str | None) -> list[int] | None:
     return None if text is None else list(_int_list(text, "--keep-softmax-layers"))
 
 
+@app.command()
+def export(
+    path: Path = typer.Argument(..., help="A run folder or a saved converted model (luna_convert.save)."),
+    output: Path = typer.Option(..., "--output", "-o", help="The file to write (e.g. model.onnx)."),
+    fmt: str = typer.Option("onnx", "--format", help="onnx (for ONNX Runtime) or pt2 (a torch.export program)."),
+    length: int = typer.Option(16, "--length", help="Tokens of the example batch the graph is traced and "
+                               "checked on (text models; any length runs afterwards)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --output file."),
+) -> None:
+    """Export a converted model to ONNX or torch.export, checked against PyTorch before it is written."""
+    from .export import export_model
+    from .serialization import load
+
+    result = _guard(lambda: export_model(load(path), output, fmt, length, overwrite))
+    dynamic = "; ".join(f"{name}: {', '.join(axes)}" for name, axes in result.dynamic.items())
+    console.print(f"wrote {result.path} ({result.format}, {result.path.stat().st_size / 1e6:.1f} MB) in "
+                  f"{result.seconds:.0f} s; inputs {', '.join(result.input_names)} (dynamic {dynamic}), output 0: "
+                  f"{result.output_name}; matches PyTorch to {result.relative_error:.1e} of the output's scale",
+                  soft_wrap=True, highlight=False)
+
+
 @app.command("attention-map")
 def attention_map(
     path: Path = typer.Argument(..., help="A run folder (outputs/<run>) or a converted model folder."),

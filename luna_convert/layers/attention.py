@@ -4,9 +4,17 @@
 map(s), or a kernel) and the optional depthwise-convolution (DWC) branch. The pretrained
 Q/K/V/output projections stay in the original attention module (see ``adapters``), which
 hands per-head q, k, v here.
+
+What a layer computes is its :class:`AttentionMode`, set for a block of code with
+:func:`attention_mode` (distillation, the softmax teacher pass); the losses a distilling layer
+keeps are collected through the object that block gets.
 """
 
 from __future__ import annotations
+
+import enum
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -15,15 +23,41 @@ from ..linear_methods.base import FEATURE_MAP_KIND, AttentionOptions
 from ..linear_methods.registry import get_method
 from ..ops.context import AttentionContext
 from ..ops.dwc import depthwise_conv_tokens_plus
-from ..ops.linear import (divide_by_last_column, linear_attention, linear_attention_unnormalised,
-                          produced_attention_unnormalised)
+from ..ops.linear import (divide_by_last_column, floored_linear_attention, linear_attention,
+                          linear_attention_unnormalised, produced_attention_unnormalised)
 from ..ops.reference import (attention_distillation_loss, linear_attention_weights, output_distillation_loss,
                              softmax_attention, softmax_attention_weights, windowed_linear_attention_weights)
 from ..ops.streamed import streamed_linear_attention
 from ..ops.windowed import windowed_linear_attention
 
 
+# A trace records one input's path: whether the padding mask was all ones, which kernels ran (a native call
+# is recorded as an empty tensor). Replayed on other inputs it gave NaN or wrong values, so it is refused.
+TRACING_REFUSED = ("torch.jit.trace cannot record a converted model (its attention takes input-dependent steps that "
+                   "a trace would freeze); use torch.export.export, torch.onnx.export(..., dynamo=True) or "
+                   "`luna-convert export`")
+
+
+class TracingRefused(RuntimeError):
+    """Raised when a converted layer runs under torch.jit.trace (and so under the TorchScript ONNX exporter)."""
+
+
 WINDOW_MIX_LR_SCALE = 10.0  # the window's mixing factors train at 10 x the rate of the rest (see window_mix)
+
+
+class AttentionMode(enum.Enum):
+    """What a :class:`LinearAttention` layer computes and returns."""
+
+    LINEAR = "linear"  # the method's linear attention: the converted model
+    # Attention distillation, each from the same q and k (no second model); the layer returns softmax's output
+    # (so every layer sees the teacher's activations) and keeps a loss:
+    DISTILL_ATTENTION = "attention"  # each linear row against the softmax row (Hedgehog's cross-entropy; N x N)
+    DISTILL_OUTPUT = "output"  # the linear output against softmax's (relative MSE; SDPA, memory linear in N)
+    SOFTMAX = "softmax"  # exact softmax attention through SDPA (logits distillation's teacher pass)
+
+    @property
+    def distills(self) -> bool:
+        return self in (AttentionMode.DISTILL_ATTENTION, AttentionMode.DISTILL_OUTPUT)
 
 
 class DepthwiseConvBranch(nn.Module):
@@ -71,10 +105,8 @@ class LinearAttention(nn.Module):
     query and gamma_h x linear attention over the other real keys, one normalisation
     (``ops.windowed``); gamma_h = exp(``window_mix``), learned per head from 1.
 
-    ``distill`` switches on attention distillation: the layer then returns
-    the softmax output (so every layer sees the teacher's activations) and
-    keeps ``distill_loss``, the cross-entropy between softmax and linear
-    attention rows. Both come from the same q and k: no second model.
+    ``mode`` (:class:`AttentionMode`, set with :meth:`set_mode` or :func:`attention_mode`) says what the
+    layer computes; in a distilling mode it keeps ``distill_loss``, the loss of its last forward.
     """
 
     def __init__(self, method: str, head_dim: int, num_heads: int, softmax_scale: float, spatial: bool = False,
@@ -99,13 +131,7 @@ class LinearAttention(nn.Module):
         # a sigmoid gate at the maps' rate moved 0.50 -> 0.55 in the digits ViT's 80 steps (docs/quality.md).
         self.window_mix = nn.Parameter(torch.zeros(num_heads)) if self.window else None
         self.spatial = spatial
-        self.distill = False
-        # What distillation matches: "attention" (each linear attention row against the softmax row,
-        # Hedgehog's cross-entropy; builds N x N) or "output" (the layer's output against softmax's, a
-        # relative MSE; the teacher through SDPA, so memory stays linear in N).
-        self.distill_target = "attention"
-        # Logits distillation's teacher pass: the layer is exact softmax attention (through SDPA).
-        self.run_softmax = False
+        self._mode = AttentionMode.LINEAR
         # On the CPU, long inputs stream tokens in chunks (ops.streamed) once the float32
         # features of all tokens would exceed stream_min_bytes: glibc maps buffers over
         # 32 MiB fresh from the OS on every call, and faulting their pages in cost as much
@@ -114,7 +140,27 @@ class LinearAttention(nn.Module):
         # and cost a quarter of 4 MiB's operator calls: with another job on the machine they were
         # 14-27 % faster in 5 of 6 cases, on an idle core the same (benchmarks/stream_chunk.py).
         self.stream_min_bytes, self.stream_chunk_bytes = 32 << 20, 16 << 20
-        self.distill_loss: torch.Tensor | None = None
+        self._distill_loss: torch.Tensor | None = None
+
+    @property
+    def mode(self) -> AttentionMode:
+        return self._mode
+
+    def set_mode(self, mode: AttentionMode) -> None:
+        """Compute ``mode`` from the next forward on; the last distillation loss stays until taken."""
+        if not isinstance(mode, AttentionMode):
+            raise TypeError(f"mode must be an AttentionMode, got {mode!r}")
+        self._mode = mode
+
+    @property
+    def distill_loss(self) -> torch.Tensor | None:
+        """The distillation loss of the last forward in a distilling mode (None: none since taken)."""
+        return self._distill_loss
+
+    def take_distill_loss(self) -> torch.Tensor | None:
+        """The last distillation loss, forgotten here (its graph is freed with the caller's use of it)."""
+        loss, self._distill_loss = self._distill_loss, None
+        return loss
 
     @property
     def feature_dim(self) -> int:
@@ -124,6 +170,11 @@ class LinearAttention(nn.Module):
     def clamp_denominator(self) -> bool:
         """Signed features: divide by max(den, eps), as den + eps could still be 0 or negative."""
         return self.phi_q is not None and self.phi_q.signed_kernel
+
+    @property
+    def denominator_floor(self) -> float | None:
+        """A signed map's floor of the divisor (``FeatureMap.denominator_floor``), or None."""
+        return None if self.phi_q is None or not self.phi_q.signed_kernel else self.phi_q.denominator_floor
 
     @property
     def uses_patch_layout(self) -> bool:
@@ -183,18 +234,20 @@ class LinearAttention(nn.Module):
 
     def forward(self, q, k, v, key_mask=None, grid=None, num_prefix: int = 0) -> torch.Tensor:
         """q, k, v: [B, H, N, d]; key_mask: bool [B, N] (True = real). Returns [B, H, N, d]."""
-        if self.run_softmax:
+        if torch.jit.is_tracing():
+            raise TracingRefused(TRACING_REFUSED)
+        if self._mode is AttentionMode.SOFTMAX:
             return softmax_attention(q, k, v, self.softmax_scale, key_mask)
         context = AttentionContext(key_mask, v.shape[2], num_prefix, grid)
-        if self.distill and self.distill_target == "output":
+        if self._mode is AttentionMode.DISTILL_OUTPUT:
             teacher_out = softmax_attention(q, k, v, self.softmax_scale, key_mask)
             student_out = self.linear_output(q, k, v, key_mask, context)
-            self.distill_loss = output_distillation_loss(teacher_out.detach(), student_out, key_mask)
+            self._distill_loss = output_distillation_loss(teacher_out.detach(), student_out, key_mask)
             return teacher_out
-        if self.distill:
+        if self._mode is AttentionMode.DISTILL_ATTENTION:
             teacher = softmax_attention_weights(q, k, self.softmax_scale, key_mask)
             student = self.attention_weights(q, k, key_mask, context)
-            self.distill_loss = attention_distillation_loss(teacher.detach(), student, key_mask, self.eps)
+            self._distill_loss = attention_distillation_loss(teacher.detach(), student, key_mask, self.eps)
             return torch.einsum("bhnm,bhmd->bhnd", teacher, v.to(teacher.dtype)).to(v.dtype)
         sums = self.undivided_output(q, k, v, key_mask, context, produced_only=self.dwc is None)
         if sums is not None:
@@ -222,7 +275,8 @@ class LinearAttention(nn.Module):
         rounding, tests/test_produced_rows.py); otherwise (not when ``produced_only``) they are stored, the
         values to the bit, and None where they would be streamed."""
         if (self.kernel is not None or self.window or v.dtype != torch.float32 or v.device.type != "cpu"
-                or torch.is_autocast_enabled("cpu") or self.needs_grad(q, k, v)):
+                or torch.is_autocast_enabled("cpu") or self.needs_grad(q, k, v)
+                or self.denominator_floor is not None):
             return None
         rows = self.feature_rows(q, k, context)
         if rows is not None:
@@ -255,7 +309,10 @@ class LinearAttention(nn.Module):
         else:
             params = self.method_parameters()
             chunk = self.stream_chunk(v.shape[0], v.shape[2], self.needs_grad(q, k, v)) if v.device.type == "cpu" else None
-            if chunk is None:
+            if self.denominator_floor is not None:  # signed kernels, never streamed
+                out = floored_linear_attention(*self.features(q, k, context), v, key_mask, self.eps,
+                                               self.denominator_floor)
+            elif chunk is None:
                 out = linear_attention(*self.features(q, k, context), v, key_mask, self.eps, self.clamp_denominator)
             else:
                 out = streamed_linear_attention(q, k, v, self.query_features, self.key_features, params,
@@ -273,8 +330,41 @@ class LinearAttention(nn.Module):
             return windowed_linear_attention_weights(q, k, *self.features(q, k, context), self.window_gamma(),
                                                      self.window, self.softmax_scale, key_mask, self.eps,
                                                      self.clamp_denominator)
-        return linear_attention_weights(*self.features(q, k, context), key_mask, self.eps, self.clamp_denominator)
+        return linear_attention_weights(*self.features(q, k, context), key_mask, self.eps, self.clamp_denominator,
+                                        self.denominator_floor)
 
     def window_gamma(self) -> torch.Tensor:
         """gamma_h = exp(window_mix_h), [H]: the weight of the linear part beyond the window."""
         return torch.exp(self.window_mix)
+
+
+class ModeScope:
+    """The layers of one :func:`attention_mode` block, and what they computed in it."""
+
+    def __init__(self, layers: list[LinearAttention]):
+        self.layers = layers
+
+    def distillation_loss(self) -> torch.Tensor:
+        """The mean over the layers of the loss each kept in its last forward (taken: each is used once)."""
+        losses = [layer.take_distill_loss() for layer in self.layers]
+        if any(loss is None for loss in losses):
+            raise RuntimeError("a layer kept no distillation loss: run a forward in a distilling mode first")
+        return torch.stack(losses).mean()
+
+
+@contextmanager
+def attention_mode(layers: nn.Module | Iterable[LinearAttention], mode: AttentionMode) -> Iterator[ModeScope]:
+    """Run ``layers`` (a model's every LinearAttention, or the given ones, in that order) in ``mode`` inside the
+    block; on leaving it each gets back the mode it had, and keeps no loss."""
+    if isinstance(layers, nn.Module):
+        layers = [m for m in layers.modules() if isinstance(m, LinearAttention)]
+    layers = list(layers)
+    before = [layer.mode for layer in layers]
+    for layer in layers:
+        layer.set_mode(mode)
+    try:
+        yield ModeScope(layers)
+    finally:
+        for layer, previous in zip(layers, before):
+            layer.set_mode(previous)
+            layer.take_distill_loss()

@@ -397,6 +397,11 @@ def scalar_channels_of(psi, *us: torch.Tensor, scale: float = 1.0) -> tuple[torc
     gradient is recorded the tables are built in every call (LUNA's queries and keys share one)."""
     compute = accumulation_dtype(*us)
     device = us[0].device
+    if torch.compiler.is_exporting():
+        # The tables' interval search (searchsorted) has no ONNX operator: an exported graph evaluates the
+        # channel MLPs themselves (``ScalarChannels.forward``, the reference), also linear in N.
+        with torch.autocast(device_type=device.type, enabled=False):
+            return tuple((psi(u.to(compute)) * scale).to(u.dtype) for u in us)
     with torch.autocast(device_type=device.type, enabled=False):
         (slope, intercept), (rows, locate) = _prepared(psi, compute, float(scale), device)
         out = []

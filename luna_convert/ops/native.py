@@ -21,6 +21,8 @@ held up by another process delays one chunk, not the whole call.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import hashlib
 import logging
@@ -76,8 +78,23 @@ def compiler() -> str | None:
     return None
 
 
+# Set inside ``reference_kernels()``: every caller takes its PyTorch path, as with LUNA_CONVERT_NATIVE=0.
+_REFERENCE_ONLY = contextvars.ContextVar("luna_convert_reference_only", default=False)
+
+
 def disabled() -> bool:
-    return os.environ.get(DISABLE_VARIABLE, "1").strip().lower() in ("0", "false", "no", "off")
+    return _REFERENCE_ONLY.get() or os.environ.get(DISABLE_VARIABLE, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+@contextlib.contextmanager
+def reference_kernels():
+    """Within it, no native kernel runs and none is put in a traced graph: every op takes its PyTorch
+    reference path. What export uses, so that an exported graph holds standard operators only."""
+    token = _REFERENCE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _REFERENCE_ONLY.reset(token)
 
 
 def cpu_identity() -> str:
@@ -174,6 +191,8 @@ def _first_error(error: Exception) -> str:
 
 def unavailable_reason(source: Path) -> str | None:
     """Why ``load_library(source)`` gives None (after it was called), or None if it loaded."""
+    if _REFERENCE_ONLY.get():
+        return "reference kernels only (ops.native.reference_kernels)"
     if disabled():
         return f"{DISABLE_VARIABLE}=0"
     return _REASONS.get(source)
