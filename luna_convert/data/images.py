@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -57,8 +58,11 @@ class ImageFolderDataset(_ImageDatasetBase):
 
         path, y = self.samples[index]
         try:
-            with Image.open(path) as img:
-                img = img.convert("RGB")
+            with warnings.catch_warnings():
+                # PIL warns of damage it reads past (e.g. a TIFF's corrupt EXIF): the pixels are what counts
+                warnings.simplefilter("ignore")
+                with Image.open(path) as img:
+                    img = img.convert("RGB")
         except Exception as e:  # noqa: BLE001 - PIL's decoders raise many kinds on a damaged file: all are bad input
             raise unreadable_image(path, e) from None
         return img, self._target(y)

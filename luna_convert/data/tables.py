@@ -49,7 +49,7 @@ def read_text(path: Path) -> str:
     raw = path.read_bytes()
     encoding = _ENCODING.get()
     try:
-        return raw.decode(encoding or "utf-8-sig")
+        text = raw.decode(encoding or "utf-8-sig")
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")  # a UTF-16 byte-order mark (Excel's "Unicode text")
@@ -57,6 +57,7 @@ def read_text(path: Path) -> str:
         raise LunaConvertError(
             f"{path} is not {encoding or 'UTF-8'} text: line {line} has byte 0x{raw[e.start]:02x} ({e.reason}); "
             f"pass the file's encoding with --encoding (e.g. --encoding {example}) or save it as UTF-8") from None
+    return text.removeprefix("\ufeff")  # a UTF-8 byte-order mark read with --encoding utf-8
 
 
 def read_rows(path: Path, delimiter: str) -> list[tuple[int, list[str]]]:
