@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from luna_convert.layers.attention import AttentionMode
 from luna_convert.adapters import key_padding_mask
 from luna_convert.conversion import convert, linear_attention_modules
 from luna_convert.errors import ConversionError
@@ -22,7 +23,7 @@ only_v5 = pytest.mark.skipif(V4, reason="transformers v5 API")
 
 def _distill(model):
     for la in linear_attention_modules(model):
-        la.distill = True
+        la.set_mode(AttentionMode.DISTILL_ATTENTION)
     return model
 
 

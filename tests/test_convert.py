@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from luna_convert.adapters import LinearizedAttention, key_padding_mask
-from luna_convert.layers.attention import LinearAttention
+from luna_convert.layers.attention import AttentionMode, LinearAttention
 from luna_convert.conversion import CONFIG_ATTR, convert, feature_map_parameters, is_converted, linear_attention_modules
 from luna_convert.errors import ConversionError, LunaConvertError, UnknownNameError
 from luna_convert.linear_methods import METHODS as METHOD_SPECS
@@ -79,7 +79,7 @@ def test_distill_mode_reproduces_original_logits(arch, method):
     original, model, _ = converted(arch, method)
     randomize_dwc(model)  # the teacher path must ignore DWC
     for la in linear_attention_modules(model):
-        la.distill = True
+        la.set_mode(AttentionMode.DISTILL_ATTENTION)
     inputs = example_inputs(arch)
     with torch.no_grad():
         torch.testing.assert_close(logits_of(model, inputs), logits_of(original, inputs), atol=1e-4, rtol=1e-4)
@@ -88,7 +88,7 @@ def test_distill_mode_reproduces_original_logits(arch, method):
     assert all(loss is not None and bool(torch.isfinite(loss)) and float(loss) > 0 for loss in losses)
     # Switching distillation off gives linear attention again (different logits).
     for la in linear_attention_modules(model):
-        la.distill = False
+        la.set_mode(AttentionMode.LINEAR)
     with torch.no_grad():
         assert not torch.allclose(logits_of(model, inputs), logits_of(original, inputs), atol=1e-4)
 
@@ -102,7 +102,7 @@ def test_distillation_trains_only_feature_maps(arch):
     for p in params:
         p.requires_grad_(True)
     for la in linear_attention_modules(model):
-        la.distill = True
+        la.set_mode(AttentionMode.DISTILL_ATTENTION)
     logits_of(model, example_inputs(arch))
     loss = torch.stack([la.distill_loss for la in linear_attention_modules(model)]).mean()
     loss.backward()

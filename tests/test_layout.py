@@ -18,7 +18,7 @@ import luna_convert
 from luna_convert.cli import app
 from luna_convert.conversion import convert, linear_attention_modules, resolve_options
 from luna_convert.errors import ConversionError
-from luna_convert.layers.attention import LinearAttention
+from luna_convert.layers.attention import AttentionMode, LinearAttention
 from luna_convert.linear_methods import METHODS, AttentionOptions, FeatureMap, KernelAttention, Method, register
 from luna_convert.linear_methods.base import option, option_table
 from luna_convert.linear_methods.luna import LunaOptions
@@ -68,7 +68,7 @@ def test_kernel_method_equals_softmax_attention_and_ignores_padding(softmax_kern
     alone = layer(q[1:, :, :4], k[1:, :, :4], v[1:, :, :4])
     torch.testing.assert_close(layer(q, k, v, mask)[1, :, :4], alone[0], rtol=0, atol=1e-6)  # measured 0
     # Distillation compares the method's own explicit weights with softmax: here they are the same rows.
-    layer.distill = True
+    layer.set_mode(AttentionMode.DISTILL_ATTENTION)
     layer(q, k, v, mask)
     entropy = -(want * torch.log(want + layer.eps)).sum(-1)[mask[:, None, :].expand(-1, 3, -1)].mean()
     # measured 2.2e-8: the layer's teacher is computed in float32, this one in float64

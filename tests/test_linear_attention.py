@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from luna_convert.layers.attention import DepthwiseConvBranch, LinearAttention
+from luna_convert.layers.attention import AttentionMode, DepthwiseConvBranch, LinearAttention
 from luna_convert.linear_methods import FEATURE_MAPS, build_feature_map
 from luna_convert.ops.context import AttentionContext
 from luna_convert.ops.layout import tokens_first
@@ -336,7 +336,7 @@ def test_distill_mode_returns_softmax_attention_and_a_loss(name):
     q, k, v = (torch.randn(2, 2, 6, 8, generator=g) for _ in range(3))
     mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
     layer = make_layer(name, 8, 2)
-    layer.distill = True
+    layer.set_mode(AttentionMode.DISTILL_ATTENTION)
     out = layer(q, k, v, key_mask=mask)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask[:, None, None, :], scale=8**-0.5)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import HEADS, HIDDEN, INIT_STD, NUM_LABELS, VOCAB, seed_everything, transformers_major
+from luna_convert.layers.attention import AttentionMode
 from luna_convert import convert, load, save
 from luna_convert.adapters import LinearizedAttention, sliding_window_key_padding_mask
 from luna_convert.conversion import feature_map_parameters, is_converted, linear_attention_modules
@@ -193,7 +194,7 @@ def test_distillation_follows_the_original_and_trains_the_feature_maps():
     convert(model, "hedgehog")
     layers = linear_attention_modules(model)
     for layer in layers:
-        layer.distill = True
+        layer.set_mode(AttentionMode.DISTILL_ATTENTION)
     inputs = batch()
     real = inputs["attention_mask"].bool()
     out = model(**inputs).logits
@@ -203,7 +204,7 @@ def test_distillation_follows_the_original_and_trains_the_feature_maps():
     params = feature_map_parameters(model)
     assert params and all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in params)
     for layer in layers:
-        layer.distill = False
+        layer.set_mode(AttentionMode.LINEAR)
     start = [p.detach().clone() for p in params]
     result = distill_attention(Accelerator(cpu=True), model, [inputs] * 3, steps=3, lr=1e-2)
     assert result.steps == 3 and math.isfinite(result.final_loss)

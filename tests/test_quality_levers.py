@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from luna_convert.layers.attention import LinearAttention
+from luna_convert.layers.attention import AttentionMode, LinearAttention
 from luna_convert.linear_methods.luna import EXP_INIT_SPAN, LunaFeatureMap, ScalarChannels, exp_rates
 from luna_convert.run.pipeline import run_conversion
 from luna_convert.engine.training import parameter_groups
@@ -193,17 +193,17 @@ def test_output_distillation_matches_the_softmax_output_and_trains_the_map():
     layer = LinearAttention("hedgehog", 8, 2, 8**-0.5)
     q, k, v = (torch.randn(2, 2, 6, 8) for _ in range(3))
     mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
-    layer.distill, layer.distill_target = True, "output"
+    layer.set_mode(AttentionMode.DISTILL_OUTPUT)
     out = layer(q, k, v, mask)
     a = softmax_attention_weights(q, k, 8**-0.5, mask)
     teacher = a @ v
     torch.testing.assert_close(out, teacher, rtol=0, atol=1e-6)  # SDPA vs the explicit softmax: measured 2.4e-7
-    layer.distill = False
+    layer.set_mode(AttentionMode.LINEAR)
     student = layer(q, k, v, mask)
     rows = mask[:, None, :].expand(2, 2, 6)
     want = ((student - teacher) ** 2).sum(-1)[rows].sum() / (teacher**2).sum(-1)[rows].sum()
     torch.testing.assert_close(layer.distill_loss.detach(), want.detach(), rtol=1e-5, atol=0)
-    layer.distill = True
+    layer.set_mode(AttentionMode.DISTILL_OUTPUT)
     layer(q, k, v, mask)
     layer.distill_loss.backward()
     assert layer.phi_q.weight.grad is not None and layer.phi_q.weight.grad.abs().sum() > 0
@@ -405,7 +405,7 @@ def test_softmax_logits_of_a_converted_model_are_the_original_models():
     got = softmax_logits(model, linear_attention_modules(model), inputs)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # SDPA vs the original's attention: measured 6e-7
     assert (linear - want).abs().max() > 1e-3
-    assert not any(layer.run_softmax for layer in linear_attention_modules(model))
+    assert all(layer.mode is AttentionMode.LINEAR for layer in linear_attention_modules(model))
 
 
 def test_logits_distillation_trains_only_the_maps_and_lowers_the_kl():

@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 from luna_convert.conversion import convert, feature_map_parameters, linear_attention_modules, resolve_options
 from luna_convert.errors import ConversionError
-from luna_convert.layers.attention import LinearAttention
+from luna_convert.layers.attention import AttentionMode, LinearAttention
 from luna_convert.linear_methods import METHODS
 from luna_convert.linear_methods.base import FEATURE_MAP_KIND
 from luna_convert.ops.context import AttentionContext
@@ -279,7 +279,7 @@ def test_a_folder_saved_before_the_window_existed_loads_with_window_zero(tmp_pat
 @pytest.mark.parametrize("name", METHODS_UNDER_TEST)
 def test_attention_distillation_trains_the_mixing_factor(name):
     layer = make_layer(name, 2, dtype=torch.float32)
-    layer.distill = True
+    layer.set_mode(AttentionMode.DISTILL_ATTENTION)
     assert any(p is layer.window_mix for p in layer.method_parameters())
     q, k, v, key_mask = (t.float() if t.is_floating_point() else t for t in inputs())
     out = layer(q, k, v, key_mask)

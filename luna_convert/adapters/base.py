@@ -9,7 +9,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..layers.attention import LinearAttention
+from ..layers.attention import AttentionMode, LinearAttention
 from ..errors import ConversionError
 from ..ops.context import AttentionContext
 from ..ops.reference import softmax_attention_weights
@@ -194,8 +194,9 @@ class LinearizedAttention:
         weights = None
         if output_attentions:
             la = self.linear_attn
-            # The weights that produced the output: softmax while distilling, else the linear ones.
-            weights = (softmax_attention_weights(q, k, la.softmax_scale, key_mask) if la.distill
+            # The weights that produced the output: softmax while distilling or run as softmax, else the linear ones.
+            softmax = la.mode is not AttentionMode.LINEAR
+            weights = (softmax_attention_weights(q, k, la.softmax_scale, key_mask) if softmax
                        else la.attention_weights(q, k, key_mask, AttentionContext(key_mask, n, prefix, grid)))
             if head_mask is not None:
                 weights = weights * head_mask.to(weights.dtype)

@@ -26,6 +26,7 @@ from ..conversion import feature_map_parameters, linear_attention_modules
 from ..errors import LunaConvertError
 from ..fileio import atomic_write_json
 from ..folder_layout import STATE_FILE
+from ..layers.attention import AttentionMode, attention_mode
 from ..ops.reference import logits_distillation_loss
 from ..tasks import IGNORE_INDEX
 
@@ -281,6 +282,12 @@ def _batches(loader, accelerator, start_batch: int, epoch: int):
     return accelerator.skip_first_batches(loader, start_batch) if start_batch else loader
 
 
+# distill.target -> what the layers compute while distilling; "logits" compares the model's logits, each layer
+# staying linear (its softmax teacher pass is :func:`softmax_logits`).
+DISTILL_MODES = {"attention": AttentionMode.DISTILL_ATTENTION, "output": AttentionMode.DISTILL_OUTPUT,
+                 "logits": AttentionMode.LINEAR}
+
+
 def distill_attention(
     accelerator, model: nn.Module, loader, *, steps: int, lr: float, log: Callable[[dict], None] | None = None,
     target: str = "attention", span_logits: bool = False,
@@ -303,15 +310,13 @@ def distill_attention(
     for p in model.parameters():
         p.requires_grad_(id(p) in trainable)
     layers = linear_attention_modules(model)
-    for layer in layers:
-        layer.distill, layer.distill_target = target != "logits", target
     optimizer = torch.optim.AdamW(scaled_groups(params, layers, lr), lr=lr)
     # Logits: both passes without dropout, so the teacher's logits are the model's, not one dropout draw.
     model.train(target != "logits")
     step, epoch, loss_value, t0 = 0, 0, None, time.perf_counter()
     bar, task = progress_bar(accelerator, "distil", steps)
     try:
-        with bar:
+        with bar, attention_mode(layers, DISTILL_MODES[target]) as modes:
             while step < steps:
                 for batch in _batches(loader, accelerator, 0, epoch):
                     batch = {k: v.to(accelerator.device) for k, v in batch.items()}
@@ -322,7 +327,7 @@ def distill_attention(
                                                             batch.get("attention_mask"), over_positions=span_logits)
                         else:
                             forward_logits(model, batch)
-                            loss = torch.stack([layer.distill_loss for layer in layers]).mean()
+                            loss = modes.distillation_loss()
                     _check_finite(loss, "distillation", step, accelerator, steps)
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
@@ -339,9 +344,6 @@ def distill_attention(
                         break
                 epoch += 1
     finally:
-        for layer in layers:
-            layer.distill = False
-            layer.distill_loss = None
         for p, flag in saved_flags.items():
             p.requires_grad_(flag)
     return StageResult("distill", step, time.perf_counter() - t0, loss_value)
@@ -349,14 +351,8 @@ def distill_attention(
 
 def softmax_logits(model: nn.Module, layers: list, batch: dict) -> torch.Tensor:
     """The logits of ``model`` with every converted layer run as exact softmax attention (no grad)."""
-    for layer in layers:
-        layer.run_softmax = True
-    try:
-        with torch.no_grad():
-            return forward_logits(model, batch)
-    finally:
-        for layer in layers:
-            layer.run_softmax = False
+    with attention_mode(layers, AttentionMode.SOFTMAX), torch.no_grad():
+        return forward_logits(model, batch)
 
 
 def _load_latest(accelerator, run_dir: Path) -> None:

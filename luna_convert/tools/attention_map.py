@@ -37,6 +37,7 @@ from ..data import image_transform
 from ..engine.head_fit import captured_inputs
 from ..engine.training import forward_logits
 from ..fileio import atomic_write_bytes
+from ..layers.attention import AttentionMode
 from ..ops.reference import softmax_attention_weights
 from ..run.config import RunConfig
 from ..run.models import load_model
@@ -117,14 +118,14 @@ def attention_rows(captured: dict, query_index: int | None = 0) -> tuple[np.ndar
 
 def _as_softmax_model(model):
     """The original (unconverted) model, run as exact softmax attention with q and k exposed: a
-    converted copy whose linear layers are in distillation mode (they then compute softmax)."""
+    converted copy whose linear layers run as softmax (``AttentionMode.SOFTMAX``)."""
 
     if is_converted(model):
         raise LunaConvertError("the --original model is already converted; pass the original softmax model")
     twin = copy.deepcopy(model)
-    convert(twin, "t2r")  # any method: distillation mode never uses its feature map for the output
+    convert(twin, "t2r")  # any method: softmax mode never uses its feature map
     for module in linear_attention_modules(twin):
-        module.distill = True
+        module.set_mode(AttentionMode.SOFTMAX)  # for good: the twin is this command's own copy
     return twin.eval()
 
 
