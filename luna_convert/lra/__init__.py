@@ -1,4 +1,3 @@
-"""Long Range Arena from scratch: the five tasks' data (``listops`` and ``pathfinder`` generated here, ``folders``
-for Image, Text and Retrieval), the small LRA encoder (``model``), its config and recipes (``config``) and the run
-(``train``, what ``luna-convert lra TASK`` calls). Imports run one way: ``train`` -> ``config`` -> ``data`` and
-``model`` -> the generators."""
+"""Long Range Arena from scratch: the five tasks' data (two generated here, three read from a user's folders),
+the small LRA encoder with any attention method, its recipes and the run that ``luna-convert lra TASK`` starts.
+The modules are listed in CONTRIBUTING.md's Package map."""
