@@ -1,0 +1,146 @@
+"""Export of converted models: ONNX run by ONNX Runtime and torch.export programs, against the model in
+PyTorch; attention kept in linear form in the ONNX graph; torch.jit.trace refused with one sentence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import luna_convert
+from builders import cli_error_line, invoke_cli
+from conftest import ARCHITECTURES, make_bert
+from luna_convert.errors import LunaConvertError
+from luna_convert.export import PARITY_TOLERANCE, export_model
+from luna_convert.layers.attention import TRACING_REFUSED
+from luna_convert.linear_methods.registry import METHODS
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+ONNX_METHODS = sorted(name for name in METHODS if name != "sorting")
+FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+
+
+def _bert_inputs(batch: int, length: int, pad: int = 0, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 99, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if pad:
+        mask[-1, length - pad:] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask,
+            "token_type_ids": torch.zeros(batch, length, dtype=torch.long)}
+
+
+def _onnx_matches(path, model, inputs: dict) -> float:
+    """|ONNX Runtime - PyTorch| / max |PyTorch| on ``inputs`` (a batch the export never saw)."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    got = session.run(None, {n: inputs[n].numpy() for n in names})[0]
+    with torch.no_grad():
+        out = model(**{n: inputs[n] for n in names})
+    expected = (out if isinstance(out, torch.Tensor) else out[0]).numpy()
+    return float(abs(got - expected).max() / abs(expected).max())
+
+
+def _quadratic_float_values(path) -> list[str]:
+    """Floating-point values in the ONNX graph with two sequence axes: an N x N attention matrix."""
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(path)), data_prop=True)
+    found = []
+    for value in model.graph.value_info:
+        dims = [d.dim_param for d in value.type.tensor_type.shape.dim]
+        if value.type.tensor_type.elem_type in FLOAT_TYPES and dims.count("sequence") >= 2:
+            found.append(f"{value.name} {dims}")
+    return found
+
+
+@pytest.mark.parametrize("method", ONNX_METHODS)
+def test_onnx_matches_pytorch_for_every_method_on_bert(method, tmp_path):
+    model = make_bert(layers=1)
+    luna_convert.convert(model, method=method)
+    result = export_model(model, tmp_path / "m.onnx", length=8)
+    assert result.relative_error < PARITY_TOLERANCE
+    # a batch of another size and length, padded, run by a fresh ONNX Runtime session
+    assert _onnx_matches(tmp_path / "m.onnx", model, _bert_inputs(3, 13, pad=4, seed=3)) < PARITY_TOLERANCE
+
+
+def test_onnx_graph_has_no_quadratic_attention_but_the_original_has(tmp_path):
+    original = make_bert(layers=1)
+    export_model(original, tmp_path / "softmax.onnx", length=8)
+    assert _quadratic_float_values(tmp_path / "softmax.onnx"), "the check must see softmax's N x N scores"
+    converted = make_bert(layers=1)
+    luna_convert.convert(converted, method="luna")
+    export_model(converted, tmp_path / "luna.onnx", length=8)
+    assert _quadratic_float_values(tmp_path / "luna.onnx") == []
+
+
+@pytest.mark.parametrize("arch", ["hf-vit", "timm-vit"])
+@pytest.mark.parametrize("method", ["luna", "hedgehog", "t2r"])
+def test_onnx_matches_pytorch_on_vits(arch, method, tmp_path):
+    model = ARCHITECTURES[arch]()
+    luna_convert.convert(model, method=method)
+    result = export_model(model, tmp_path / "m.onnx")
+    assert result.input_names == ["pixel_values"]
+    assert result.relative_error < PARITY_TOLERANCE
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(session.run(None, {"pixel_values": images.numpy()})[0])
+    with torch.no_grad():
+        expected = model(images) if arch == "timm-vit" else model(pixel_values=images).logits
+    assert float((got - expected).abs().max() / expected.abs().max()) < PARITY_TOLERANCE
+
+
+@pytest.mark.parametrize("variant", [{"method": "hedgehog", "window": 2}, {"method": "luna", "dwc": True},
+                                     {"method": "t2r", "keep_softmax_layers": [0]}])
+def test_windows_dwc_and_kept_softmax_layers_export(variant, tmp_path):
+    model = make_bert(layers=2)
+    luna_convert.convert(model, **variant)
+    export_model(model, tmp_path / "m.onnx", length=10)
+    assert _onnx_matches(tmp_path / "m.onnx", model, _bert_inputs(2, 12, pad=3, seed=4)) < PARITY_TOLERANCE
+
+
+def test_sorting_is_refused_for_onnx_with_the_reason(tmp_path):
+    model = make_bert(layers=1)
+    luna_convert.convert(model, method="sorting")
+    with pytest.raises(LunaConvertError, match="sorting kernel cannot be exported to ONNX.*--format pt2"):
+        export_model(model, tmp_path / "m.onnx")
+    assert not list(tmp_path.iterdir()), "nothing is written"
+
+
+def test_pt2_program_runs_and_matches(tmp_path):
+    model = make_bert(layers=1)
+    luna_convert.convert(model, method="luna")
+    result = export_model(model, tmp_path / "m.pt2", fmt="pt2", length=8)
+    assert result.relative_error < PARITY_TOLERANCE
+    program = torch.export.load(str(tmp_path / "m.pt2")).module()
+    inputs = _bert_inputs(3, 11, pad=2, seed=6)
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        got = program(inputs["input_ids"], inputs["attention_mask"], inputs["token_type_ids"])
+    assert float((got - expected).abs().max() / expected.abs().max()) < PARITY_TOLERANCE
+
+
+def test_export_command_writes_a_checked_file_and_refuses_bad_input(tmp_path):
+    model = make_bert(layers=1)
+    luna_convert.convert(model, method="t2r")
+    luna_convert.save(model, tmp_path / "saved")
+    out = tmp_path / "deploy" / "model.onnx"
+    result = invoke_cli("export", tmp_path / "saved", "--output", out, "--length", 8)
+    assert result.exit_code == 0, result.output
+    assert out.is_file() and "matches PyTorch" in result.stdout and "input_ids" in result.stdout
+    assert _onnx_matches(out, model, _bert_inputs(2, 9, pad=2)) < PARITY_TOLERANCE
+    again = invoke_cli("export", tmp_path / "saved", "--output", out)
+    assert "already exists; pass --overwrite" in cli_error_line(again)
+    wrong = invoke_cli("export", tmp_path / "saved", "--output", tmp_path / "m.x", "--format", "tflite")
+    assert "unknown export format 'tflite'" in cli_error_line(wrong)
+    assert sorted(p.name for p in (tmp_path / "deploy").iterdir()) == ["model.onnx"], "no partial file left"
+
+
+@pytest.mark.parametrize("method", ["luna", "elu", "t2r"])
+def test_jit_trace_is_refused_with_one_sentence(method):
+    model = make_bert(layers=1)
+    luna_convert.convert(model, method=method)
+    inputs = _bert_inputs(2, 6, pad=2)
+    with pytest.raises(RuntimeError) as caught:
+        torch.jit.trace(model, (inputs["input_ids"], inputs["attention_mask"]), strict=False)
+    assert TRACING_REFUSED in str(caught.value)
+    assert "torch.export" in TRACING_REFUSED and "\n" not in TRACING_REFUSED
