@@ -69,7 +69,14 @@ def explicit_attention(layer, q, k, v, mask):
         for h in range(q.shape[1]):
             weights = kernel(head_params(layer, h), q[b, h, real], k[b, h, real])
             den = weights.sum(-1, keepdim=True)
-            assert bool((den > 0).all())  # inputs where the signed kernels' guard does not engage
+            assert bool((den > 0).all())  # inputs where the signed kernels' eps guard does not engage
+            floor = getattr(layer.phi_q, "denominator_floor", None)
+            if floor is not None:  # den at least floor |phi(q_i)| sum_j |phi(k_j)|, |phi(x)|^2 = k(x, x) without rho
+                params = head_params(layer, h)
+                norms = [(kernel(params, x, x).diagonal() / torch.exp((x * x).sum(-1) / (2 * math.sqrt(D)))).sqrt()
+                         for x in (q[b, h, real], k[b, h, real])]
+                rho = torch.exp((k[b, h, real] ** 2).sum(-1) / (2 * math.sqrt(D)))
+                den = torch.maximum(den, floor * norms[0][:, None] * (norms[1] * rho).sum())
             # llops' den is unstabilised, so its eps guard is in the same units (flexformer's 1e-12 meets a
             # stabilised den and is left out)
             out[b, h, real] = weights / (den + (layer.eps if layer.method == "llops" else 0.0)) @ v[b, h, real]

@@ -160,3 +160,25 @@ def test_window_rows_holding_every_key_are_softmax(name, path):
     scale = float(want.abs().max())
     error = (got.detach() - want).abs()[rows[:, None, :, None].expand_as(got)].max()
     assert float(error) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("variant", ["stationary", "nonstationary"])
+def test_flexformer_signed_variants_never_divide_by_about_zero(variant, path):
+    """Right after conversion (q, k ~ N(0, 1) per coordinate) many rows' den cancel to <= 0, and max(den, 1e-12)
+    gave outputs of 1e11 x max|v|. The divisor is now at least den_floor m^-1/2 |phi(q)| sum_j |phi(k_j)|, so
+    |out| <= max|v| m^(1/2); the outputs are the explicit weights' (same floor) times v; and the key gradients
+    pass gradcheck (the detached stabiliser scales numerator and divisor alike)."""
+    layer = layer_of("flexformer", {"variant": variant}, head_dim=16).double()
+    q, k, v = (t.double() for t in qkv(2, 2, 12, 16, seed=3))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 7:] = False
+    with torch.no_grad():
+        phi_q, phi_k = layer.features(q, k)
+        den = torch.einsum("bhnf,bhmf->bhn", phi_q, phi_k * mask[:, None, :, None])
+        assert (den <= 0).any()  # the case the floor is for
+        out = layer(q, k, v, key_mask=mask)
+        weights = layer.attention_weights(q, k, mask)
+    m = layer.phi_q.frequencies.shape[1]
+    assert float(out.abs().max()) <= float(v.abs().max()) * m**0.5
+    torch.testing.assert_close(out, weights @ v, rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda keys: layer(q, keys, v, key_mask=mask), (k.clone().requires_grad_(),))

@@ -150,6 +150,9 @@ class FeatureMap(MethodCore, abc.ABC):
                       kernel phi(q).phi(k) instead of the features
       signed_kernel   the kernel itself may be <= 0, so a row's sum phi(q)^T z may be too: the layer
                       divides by max(phi(q)^T z, eps) instead of adding eps (never streamed)
+      denominator_floor  with a signed kernel, a number f (or None): the layer divides by
+                      max(phi(q)^T z, f |phi(q)| sum_j |phi(k_j)|) (``ops.linear.floored_linear_attention``),
+                      a floor on the scale of the row's own terms, so a row never divides by ~0
       context_free    the map never reads its context (nor the role): a token's features depend on
                       its own vector alone, so a shared map can take queries and keys in one call (``each``)
     """
@@ -160,6 +163,7 @@ class FeatureMap(MethodCore, abc.ABC):
     stream_when_training: bool = True
     signed_features: bool = False
     signed_kernel: bool = False
+    denominator_floor: float | None = None
     context_free: bool = False
 
     @property

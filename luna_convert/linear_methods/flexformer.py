@@ -16,7 +16,8 @@ weight each key by rho_j = exp(|k_j|^2/2sqrt(d) - c), c one max over the REAL ke
 (a per-key max would re-weight keys; a max seeing pads would make real outputs depend on them). The positive
 variant's stabilisers are Performer's: a per-query max over features, one max over real keys and features.
 So the map is not token-wise (off the streamed path). The trigonometric features and kernel are signed:
-the layer divides by max(den, eps).
+the layer divides by max(den, den_floor m^(-1/2) |phi(q)| sum_j |phi(k_j)|) (``ops.linear.floored_linear_attention``),
+so a row whose den cancels is never divided by ~0.
 
 Omega is drawn from the recorded ``seed`` at N(0, I/sqrt(d)) (orthogonal blocks with chi_d row norms, as
 Performer), so the freshly converted layer is the Gaussian RFF estimate of softmax attention; it is a
@@ -52,6 +53,9 @@ class FlexformerOptions(AttentionOptions):
     seed: int = option(0, "seed of the initial frequencies (drawn once at conversion, then saved with the model)")
     nonstationary_offset: float = option(0.1, "nonstationary: O2 = O1 + this x d^(-1/4) x N(0, I) at init (0 ties "
                                          "the two sets, and tied sets get equal gradients, so they stay tied)")
+    den_floor: float = option(1.0, "stationary / nonstationary: each row is divided by at least this x m^(-1/2) x "
+                              "|phi(q)| sum_j |phi(k_j)| (the estimate's noise level times the bound of its terms), "
+                              "never by ~0 (derived; right after conversion 14-51 % of rows had den <= 0)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -59,6 +63,8 @@ class FlexformerOptions(AttentionOptions):
         check_int(self, "num_frequencies", non_negative=True)
         check_int(self, "seed")
         check_non_negative_number(self, "nonstationary_offset")
+        if isinstance(self.den_floor, bool) or not isinstance(self.den_floor, (int, float)) or not self.den_floor > 0:
+            raise ValueError(f"den_floor must be a positive number, got {self.den_floor!r}")
 
 
 def gaussian_frequencies(num_heads: int, m: int, d: int, generator: torch.Generator) -> torch.Tensor:
@@ -85,6 +91,8 @@ class FlexformerFeatureMap(FeatureMap):
             self.second_frequencies = nn.Parameter((omega + self.options.nonstationary_offset * spread).float())
         else:
             self.second_frequencies = None
+        # |phi| <= 1 for both signed maps, and their estimate of a kernel value is noisy at about m^(-1/2)
+        self.denominator_floor = self.options.den_floor * m**-0.5 if self.signed_kernel else None
 
     @property
     def feature_dim(self) -> int:
@@ -135,7 +143,8 @@ m^-1/2 [cos(Omega x), sin(Omega x)]; 'nonstationary' (4m)^-1/2 [cos(O1 x) + cos(
 (Yaglom / generalised spectral line), O2 = O1 + nonstationary_offset d^-1/4 N(0, I) at init (tied sets would
 stay tied); 'positive' (the default) m^-1/2 exp(Omega x - |x|^2/2sqrt(d)), Performer's positive feature with
 trainable Omega: the notes recommend it where the signed variants give negative denominators, which RFF noise
-(m^-1/2) against BERT-scale kernel values makes the rule; the signed variants divide by max(den, eps).
+(m^-1/2) against BERT-scale kernel values makes the rule; the signed variants divide by max(den, den_floor
+m^-1/2 |phi(q)| sum_j |phi(k_j)|) (den_floor 1; max(den, 1e-12) gave outputs of 1e11 where den cancelled).
 Softmax wrapper: keys weighted by rho_j = exp(|k_j|^2/2sqrt(d) - max over real keys) (the query's factor
 cancels); positive variant: Performer's stabilisers (per-query max, one max over real keys and features).
 Init: Omega ~ N(0, I/sqrt(d)) per head, orthogonal blocks with chi_d norms, from the recorded seed (then

@@ -137,6 +137,28 @@ def linear_attention(
     return out.to(out_dtype)
 
 
+def floored_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                             key_mask: torch.Tensor | None, eps: float, floor: float) -> torch.Tensor:
+    """phi(q_i)^T S / max(phi(q_i)^T z, floor |phi(q_i)| sum_j |phi(k_j)|, eps) over real keys j, for signed
+    kernels: |phi(q_i)| sum_j |phi(k_j)| bounds every |phi(q_i)^T phi(k_j)| summed (Cauchy-Schwarz), so the
+    divisor is at least ``floor`` times the scale of the row's own terms, never ~0 (max(den, eps) divided
+    random-feature rows whose den cancelled to ~0 by 1e-12), and |out_i| <= max|v| / floor. A rescaling of
+    phi_k (a stabiliser) scales numerator and divisor alike. Plain autograd, in float32 (float64 stays)."""
+    out_dtype, compute = v.dtype, accumulation_dtype(phi_q, phi_k, v)
+    with torch.autocast(device_type=v.device.type, enabled=False):
+        phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
+        keep = _keys_kept(key_mask)
+        values = torch.nn.functional.pad(v, (0, 1), value=1.0)
+        key_norms = phi_k.norm(dim=-1, keepdim=True)  # [B, H, N, 1]
+        if keep is not None:
+            values, key_norms = values * keep, key_norms * keep
+        num_den = phi_q @ (phi_k.transpose(-1, -2) @ values)
+        num, den = num_den.split([v.shape[-1], 1], -1)
+        bound = phi_q.norm(dim=-1, keepdim=True) * key_norms.sum(-2, keepdim=True)
+        out = num / torch.maximum(den, floor * bound).clamp_min(eps)
+    return out.to(out_dtype)
+
+
 def linear_attention_unnormalised(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """[phi(q_i)^T S | phi(q_i)^T z], [B, H, N, d + 1] in the accumulation dtype, without gradients: the

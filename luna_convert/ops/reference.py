@@ -16,16 +16,22 @@ EPS = 1e-6
 
 def linear_attention_weights(
     phi_q: torch.Tensor, phi_k: torch.Tensor, key_mask: torch.Tensor | None = None, eps: float = EPS,
-    clamp: bool = False,
+    clamp: bool = False, floor: float | None = None,
 ) -> torch.Tensor:
     """Explicit A_ij = phi(q_i)^T phi(k_j) / (sum_m phi(q_i)^T phi(k_m) + eps), in fp32 (float64 for float64). [B, H, N, N]
 
-    ``clamp``: the row sum is clamped at eps instead (signed features)."""
+    ``clamp``: the row sum is clamped at eps instead (signed features). ``floor``: clamped at
+    max(floor |phi(q_i)| sum_m |phi(k_m)|, eps) over real keys m instead (``ops.linear.floored_linear_attention``)."""
     compute = accumulation_dtype(phi_q, phi_k)
-    scores = torch.einsum("bhnf,bhmf->bhnm", phi_q.to(compute), phi_k.to(compute))
+    phi_q, phi_k = phi_q.to(compute), phi_k.to(compute)
+    scores = torch.einsum("bhnf,bhmf->bhnm", phi_q, phi_k)
     if key_mask is not None:
         scores = scores * key_mask[:, None, None, :]
     den = scores.sum(-1, keepdim=True)
+    if floor is not None:
+        norms = phi_k.norm(dim=-1) if key_mask is None else phi_k.norm(dim=-1) * key_mask[:, None, :]
+        bound = phi_q.norm(dim=-1, keepdim=True) * norms.sum(-1)[..., None, None]
+        return scores / torch.maximum(den, floor * bound).clamp_min(eps)
     return scores / (den.clamp_min(eps) if clamp else den + eps)
 
 
