@@ -221,7 +221,6 @@ def load(directory: str | Path) -> nn.Module:
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise LunaConvertError(f"{weights} is missing; the folder is incomplete, re-run or restore it")
-    _check_digest(weights, meta.get(DIGEST_KEY))
     try:
         missing, unexpected = load_model(model, str(weights), strict=False)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
@@ -235,6 +234,7 @@ def load(directory: str | Path) -> nn.Module:
         raise LunaConvertError(
             f"{weights} is truncated or corrupt ({lines[0][:300]}); re-run the conversion or restore the file"
         ) from None
+    _check_digest(weights, meta.get(DIGEST_KEY))  # after the reader's own checks, which name a truncation
     if missing or unexpected:
         raise LunaConvertError(
             f"{weights} does not match the recorded model (missing {sorted(missing)[:3]}, unexpected "
