@@ -460,8 +460,15 @@ def lra(
     overwrite: bool = typer.Option(False, "--overwrite", help="Let a new run replace the run in --run-dir."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Write the run into this folder "
                                            "[OUTPUT_DIR/lra-<task>-<method>-<time>]."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Compare these methods (comma-separated) with the "
+                                          "same recipe, one run each per seed, into --dir; writes compare.md."),
+    seeds: str = typer.Option("0", "--seeds", help="With --methods: comma-separated seeds."),
+    folder: Optional[Path] = typer.Option(None, "--dir", help="With --methods: the comparison folder "
+                                          "[OUTPUT_DIR/compare-lra-<task>]; finished runs there are read back."),
 ) -> None:
-    """Train the small Long Range Arena encoder from scratch with one attention method; writes a run folder."""
+    """Train the small Long Range Arena encoder from scratch with one attention method (or compare several);
+    writes a run folder."""
+    from .lra.compare import markdown_table as lra_table, run_lra_compare
     from .lra.config import load_lra_config
     from .lra.train import run_lra, summary_line
 
@@ -476,6 +483,13 @@ def lra(
             config.overwrite, config.run_dir = overwrite or None, str(run_dir) if run_dir else None
             return config
 
+        if methods is not None:
+            config = _guard(build)
+            target = folder or Path(config.output_dir) / f"compare-lra-{task}"
+            summary = _guard(lambda: run_lra_compare(config, [m.strip() for m in methods.split(",") if m.strip()],
+                                                     list(_int_list(seeds, "--seeds")), target, console=console))
+            console.print(lra_table(summary), soft_wrap=True, highlight=False)
+            return
         results = _guard(lambda: run_lra(_guard(build), console=console))
     console.print(summary_line(results), soft_wrap=True, highlight=False)
 

@@ -155,3 +155,21 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert result.exit_code == 2, result.output
     assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
     assert not (tmp_path / "run").exists()  # nothing half-written
+
+
+def test_compare_runs_each_method_in_its_own_process_and_reads_finished_runs_back(tmp_path, finished_runs):
+    import shutil
+
+    shutil.copytree(finished_runs["softmax"], tmp_path / "cmp" / "softmax-seed0")  # finished earlier: read back
+    args = ["listops", "--methods", "softmax,luna", "--seeds", "0", "--max-steps", "1", *TINY,
+            "--cache-dir", str(tmp_path / "cache"), "--dir", str(tmp_path / "cmp")]
+    first = run_cli(*args)
+    assert first.exit_code == 0 and first.output.count("finished earlier") == 1, first.output
+    summary = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert [r["method"] for r in summary["rows"]] == ["softmax", "luna"]
+    assert [r["steps"] for r in summary["rows"]] == [2, 1]  # the copied run's 2 steps, the new run's 1
+    for row in summary["rows"]:
+        results = json.loads((tmp_path / "cmp" / f"{row['method']}-seed0" / "results.json").read_text())
+        assert row["accuracy"]["mean"] == results["converted_score"]
+        assert row["peak_rss_mib"]["mean"] == results["lra"]["peak_rss_mb"] > 0
+    assert "| luna |" in (tmp_path / "cmp" / "compare.md").read_text()
