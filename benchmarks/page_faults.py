@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from luna_convert.tools.bench import _layer_modules
+from luna_convert.tools.bench import layer_modules
 
 torch.set_num_threads(1)
 METHODS = ("t2r", "hedgehog", "luna-nodwc")
@@ -38,7 +38,7 @@ def measure(fn, repeats: int = 3) -> tuple[float, int]:
 
 
 def main() -> None:
-    layers, _ = _layer_modules(METHODS, torch.device("cpu"), 12, 64)
+    layers, _ = layer_modules(METHODS, torch.device("cpu"), 12, 64)
     print("| method | N | path | forward ms | faults | fwd+bwd ms | faults |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for n in (8192, 16384):

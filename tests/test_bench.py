@@ -5,10 +5,22 @@ from __future__ import annotations
 import io
 import json
 import math
+from pathlib import Path
 
 from rich.console import Console
 
 from luna_convert.tools.bench import run_benchmark
+
+
+def _bench_targets():
+    """benchmarks/bench_targets.py, the targets checked on a bench run (a script, not part of the package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_targets.py"
+    spec = importlib.util.spec_from_file_location("bench_targets", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _positive(x) -> bool:
@@ -20,7 +32,7 @@ def test_quick_benchmark_writes_json_and_png(tmp_path):
     results = run_benchmark(tmp_path, lengths=(32, 64), methods=("luna", "t2r"), quick=True, console=console)
 
     data = json.loads((tmp_path / "bench.json").read_text())
-    assert set(data) >= {"meta", "layers", "models", "targets"}
+    assert set(data) >= {"meta", "layers", "models"} and "targets" not in data  # targets: benchmarks/bench_targets.py
     assert data["layers"]["config"]["methods"] == ["softmax", "softmax-eager", "luna", "t2r"]
     rows = data["layers"]["results"]
     assert {(r["method"], r["n"]) for r in rows} == {(m, n) for m in ("softmax", "softmax-eager", "luna", "t2r") for n in (32, 64)}
@@ -45,7 +57,9 @@ def test_quick_benchmark_writes_json_and_png(tmp_path):
     assert len(models["vit"]) == 2 and len(models["bert"]) == 2
     for r in [*models["vit"], *models["bert"], models["bert_train"]]:
         assert _positive(r["original_ms"]) and _positive(r["converted_ms"]) and _positive(r["ratio"])
-    assert all({"target", "value", "threshold", "met"} <= set(t) for t in data["targets"])
+    targets = _bench_targets().evaluate(data)
+    assert targets and all({"target", "value", "threshold", "met"} <= set(t) for t in targets)
+    assert "| target | measured | needed | met |" in _bench_targets().markdown(targets)
 
     png = tmp_path / "bench.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -142,10 +156,10 @@ def test_bf16_layers_are_timed_in_bf16(tmp_path, monkeypatch):
     import torch
 
     from luna_convert.errors import LunaConvertError
-    from luna_convert.tools import bench as bench_module
+    from luna_convert.tools.bench import layers as bench_module
 
     seen = []
-    build = bench_module._layer_modules
+    build = bench_module.layer_modules
 
     def spied(*args, **kwargs):  # the bench's own layers, with a hook recording what dtypes they see
         layers, modules = build(*args, **kwargs)
@@ -153,7 +167,7 @@ def test_bf16_layers_are_timed_in_bf16(tmp_path, monkeypatch):
             module.register_forward_hook(lambda _m, inputs, out: seen.append((inputs[0].dtype, out.dtype)))
         return layers, modules
 
-    monkeypatch.setattr(bench_module, "_layer_modules", spied)
+    monkeypatch.setattr(bench_module, "layer_modules", spied)
     results = run_benchmark(tmp_path, lengths=(16,), methods=["t2r"], models=False, quick=True, memory=False,
                             dtype="bf16", device="cpu", console=Console(file=io.StringIO()))
     assert results["layers"]["config"]["dtype"] == "bf16"
@@ -187,11 +201,11 @@ def test_long_model_rows_compare_three_variants_with_the_same_weights(tmp_path):
     assert [r["image_size"] for r in long["dinov2"]] == [28, 56, 84]  # 56 px native; 28 and 84 interpolate
     assert all(_positive(r["original_ms"]) and _positive(r["converted_ms"]) for r in long["dinov2"])
     assert "DINOv2 (tiny) inference" in (out / "bench.md").read_text()
-    assert any("log-log slope of train-step peak memory" in t["target"] for t in data["targets"])
+    assert any("log-log slope of train-step peak memory" in t["target"] for t in _bench_targets().evaluate(data))
 
 
 def test_long_model_training_step_that_would_not_fit_is_skipped_and_said(tmp_path, monkeypatch):
-    from luna_convert.tools import bench
+    from luna_convert.tools.bench import long_models as bench
 
     # The first length measures its step (no estimate yet); the next one's extrapolated peak exceeds what is
     # "free", so every variant skips it instead of training into an out-of-memory kill.
@@ -206,4 +220,5 @@ def test_long_model_training_step_that_would_not_fit_is_skipped_and_said(tmp_pat
     assert second["converted all"]["fwd_ms_ratio"] == second["converted all"]["fwd_ms"] / second["original"]["fwd_ms"]
     md = (tmp_path / "long" / "bench.md").read_text()
     assert "Training steps skipped" in md and "64 tokens, converted all: needs about" in md
-    assert not any("peak memory" in t["target"] for t in results["targets"])  # one measured length: no slope
+    # one measured length: no slope
+    assert not any("peak memory" in t["target"] for t in _bench_targets().evaluate(results))
