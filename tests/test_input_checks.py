@@ -163,6 +163,26 @@ def test_a_glue_tsv_in_latin1(world, tmp_path):
     finished(run_args(world["bert"], data, out, "--encoding", "latin-1"))
 
 
+def test_a_utf8_byte_order_mark_is_dropped_whatever_encoding_is_named(tmp_path):
+    from luna_convert.data import read_table, text_encoding
+
+    path = tmp_path / "train.csv"
+    path.write_bytes("sentence,label\ngood,1\n".encode("utf-8-sig"))
+    for encoding in (None, "utf-8", "utf-8-sig"):
+        with text_encoding(encoding):
+            assert list(read_table(path)) == ["sentence", "label"], encoding
+
+
+@pytest.mark.parametrize("name", ["train.jsonl", "train.json"])
+def test_json_nested_too_deeply_is_one_line(tmp_path, name):
+    from luna_convert.data import read_table
+
+    path = tmp_path / name
+    path.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(LunaConvertError, match="line 1 nests too deeply to read"):
+        read_table(path)
+
+
 def own_data(tmp_path: Path, train: str) -> Path:
     data = tmp_path / "data"
     data.mkdir()
