@@ -46,6 +46,13 @@ def native_library() -> ctypes.CDLL | None:
     return lib if lib is not None and lib.product_lanes() > 0 else None
 
 
+@torch.compiler.assume_constant_result
+def native_available() -> bool:
+    """Whether ``native_library`` gives the library; torch.compile reads it once, as a constant of the graph
+    (dynamo cannot trace the library's loading: a lock and ctypes)."""
+    return native_library() is not None
+
+
 def native_status() -> str:
     """"on", or "off: <why>" (what the bench records beside its timings)."""
     status = native.status(NATIVE_SOURCE, NATIVE_SIGNATURES)
@@ -57,17 +64,17 @@ def native_status() -> str:
 def _native_applies(streamed: tuple[torch.Tensor, ...], small: tuple[torch.Tensor, ...] = ()) -> bool:
     """Whether the native code takes these: ``streamed`` operands as they are (unit column stride), and
     ``small`` ones, which it takes as contiguous copies where they are not; all of one leading shape (the C
-    code reads every operand at the first one's batch entries). Never while compiling (checked first:
-    dynamo then reads no further)."""
-    if torch.compiler.is_compiling():
-        return False
+    code reads every operand at the first one's batch entries). In compiled and exported graphs too, where
+    the registered operators below stand for the native calls (their implementation checks the strides
+    again at run time: a graph may hand them other layouts than the ones it was traced with)."""
     tensors = (*streamed, *small)
     lead = streamed[0].shape[:-2]
-    return (all(t.dim() in (3, 4) and t.shape[:-2] == lead and t.device.type == "cpu" and t.dtype == torch.float32
-                for t in tensors)
-            and all(t.stride(-1) == 1 for t in streamed)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-            and native_library() is not None)
+    # Lists, not generators: dynamo fails closing a generator that all() or any() left unfinished.
+    return (all([t.dim() in (3, 4) and t.shape[:-2] == lead and t.device.type == "cpu" and t.dtype == torch.float32
+                 for t in tensors])
+            and all([t.stride(-1) == 1 for t in streamed])
+            and not (torch.is_grad_enabled() and any([t.requires_grad for t in tensors]))
+            and native_available())
 
 
 def _layout(t: torch.Tensor):
@@ -94,11 +101,24 @@ def transposed_product(x: torch.Tensor, y: torch.Tensor, with_sum: bool = False)
     """x^T y for x [..., N, D] and y [..., N, e]: [..., D, e], or with ``with_sum`` [..., D, e + 1] whose last
     column is x's sum over the N tokens (``torch.cat([x^T y, x.sum(-2)[..., None]], -1)``)."""
     if not (x.shape[-2] == y.shape[-2] and _native_applies((x, y))):  # bmm says what does not match
-        lead, x3, y3 = x.shape[:-2], _flat(x), _flat(y)
-        out = torch.bmm(x3.transpose(1, 2), y3)
-        if with_sum:
-            out = torch.cat([out, x3.sum(1).unsqueeze_(-1)], -1)
-        return _unflat(out, lead)
+        return transposed_product_reference(x, y, with_sum)
+    if torch.compiler.is_compiling():
+        return torch.ops.luna_convert.transposed_product(x, y, with_sum)
+    return _native_transposed_product(x, y, with_sum)
+
+
+def transposed_product_reference(x: torch.Tensor, y: torch.Tensor, with_sum: bool = False) -> torch.Tensor:
+    """``transposed_product`` with torch.bmm: the reference, and the path wherever the native code does not apply."""
+    lead, x3, y3 = x.shape[:-2], _flat(x), _flat(y)
+    out = torch.bmm(x3.transpose(1, 2), y3)
+    if with_sum:
+        out = torch.cat([out, x3.sum(1).unsqueeze_(-1)], -1)
+    return _unflat(out, lead)
+
+
+def _native_transposed_product(x: torch.Tensor, y: torch.Tensor, with_sum: bool) -> torch.Tensor:
+    if not (x.stride(-1) == y.stride(-1) == 1 and x.shape[:-2] == y.shape[:-2]):
+        return transposed_product_reference(x, y, with_sum)
     *lead, n, depth = x.shape
     columns, inner = y.shape[-1], x.shape[-3]
     out = torch.empty(*lead, depth, columns + with_sum, dtype=torch.float32)  # not the default dtype: C writes floats
@@ -114,9 +134,22 @@ def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) 
     small = (w,) if bias is None else (w, bias)
     shapes_match = x.shape[-1] == w.shape[-2] and (bias is None or bias.shape[-2:] == (1, w.shape[-1]))
     if not (shapes_match and _native_applies((x,), small)):  # bmm says what does not match
-        lead = x.shape[:-2]
-        out = torch.bmm(_flat(x), _flat(w)) if bias is None else torch.baddbmm(_flat(bias), _flat(x), _flat(w))
-        return _unflat(out, lead)
+        return product_reference(x, w, bias)
+    if torch.compiler.is_compiling():
+        return torch.ops.luna_convert.product(x, w, bias)
+    return _native_product(x, w, bias)
+
+
+def product_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``product`` with torch.bmm (baddbmm): the reference, and the path wherever the native code does not apply."""
+    lead = x.shape[:-2]
+    out = torch.bmm(_flat(x), _flat(w)) if bias is None else torch.baddbmm(_flat(bias), _flat(x), _flat(w))
+    return _unflat(out, lead)
+
+
+def _native_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.stride(-1) != 1 or x.shape[:-2] != w.shape[:-2] or (bias is not None and bias.shape[:-2] != x.shape[:-2]):
+        return product_reference(x, w, bias)
     *lead, n, depth = x.shape
     columns, inner = w.shape[-1], x.shape[-3]
     w = w if w.stride(-1) == 1 else w.contiguous()
@@ -130,6 +163,69 @@ def product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) 
                                     columns, *layouts),
          math.prod(lead), n * depth * columns)
     return out
+
+
+# The native products as registered operators (torch.library), what compiled and exported graphs call: a
+# schema, a fake implementation (the output's shape) and autograd, so that Inductor keeps them in the graph
+# as opaque calls and torch.export shows them. Eager code calls the same implementations directly: the
+# dispatcher's round trip would add its overhead to every call for nothing.
+@torch.library.custom_op("luna_convert::transposed_product", mutates_args=(), device_types="cpu")
+def transposed_product_op(x: torch.Tensor, y: torch.Tensor, with_sum: bool) -> torch.Tensor:
+    """x^T y (with x's column sums appended when ``with_sum``), natively."""
+    return _native_transposed_product(x, y, with_sum)
+
+
+@transposed_product_op.register_fake
+def _transposed_product_shape(x, y, with_sum):
+    return x.new_empty((*x.shape[:-2], x.shape[-1], y.shape[-1] + int(with_sum)))
+
+
+def _transposed_product_context(ctx, inputs, output):
+    x, y, with_sum = inputs
+    ctx.save_for_backward(x, y)
+    ctx.with_sum = with_sum
+
+
+def _transposed_product_backward(ctx, grad):
+    x, y = ctx.saved_tensors
+    columns = y.shape[-1]
+    grad_xy = grad[..., :columns]
+    grad_x = product(y, grad_xy.transpose(-1, -2)) if ctx.needs_input_grad[0] else None  # y g^T   [..., N, D]
+    if grad_x is not None and ctx.with_sum:  # the sum column: each token's row gets the column's gradient
+        grad_x = grad_x + grad[..., columns].unsqueeze(-2)
+    grad_y = product(x, grad_xy) if ctx.needs_input_grad[1] else None  # x g   [..., N, e]
+    return grad_x, grad_y, None
+
+
+transposed_product_op.register_autograd(_transposed_product_backward, setup_context=_transposed_product_context)
+
+
+@torch.library.custom_op("luna_convert::product", mutates_args=(), device_types="cpu")
+def product_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x w (+ bias), natively."""
+    return _native_product(x, w, bias)
+
+
+@product_op.register_fake
+def _product_shape(x, w, bias):
+    return x.new_empty((*x.shape[:-1], w.shape[-1]))
+
+
+def _product_context(ctx, inputs, output):
+    x, w, bias = inputs
+    ctx.save_for_backward(x, w)
+    ctx.has_bias = bias is not None
+
+
+def _product_backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    grad_x = product(grad, w.transpose(-1, -2)) if ctx.needs_input_grad[0] else None  # g w^T
+    grad_w = transposed_product(x, grad) if ctx.needs_input_grad[1] else None  # x^T g
+    grad_bias = grad.sum(-2, keepdim=True) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, grad_w, grad_bias
+
+
+product_op.register_autograd(_product_backward, setup_context=_product_context)
 
 
 @dataclass(frozen=True)
