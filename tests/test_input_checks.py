@@ -163,6 +163,15 @@ def test_a_glue_tsv_in_latin1(world, tmp_path):
     finished(run_args(world["bert"], data, out, "--encoding", "latin-1"))
 
 
+def test_eval_reads_data_in_another_encoding_with_encoding(world, tmp_path):
+    data = shutil.copytree(world["sst2"], tmp_path / "SST-2")
+    with open(data / "dev.tsv", "ab") as f:
+        f.write("the na\u00efve plot\t1\n".encode("latin-1"))
+    args = ["eval", world["converted"], "--data-dir", data]
+    refused(args, "dev.tsv is not UTF-8 text: line 22")
+    assert "(21 examples)" in " ".join(finished([*args, "--encoding", "latin-1"]).stdout.split())
+
+
 def test_a_utf8_byte_order_mark_is_dropped_whatever_encoding_is_named(tmp_path):
     from luna_convert.data import read_table, text_encoding
 
