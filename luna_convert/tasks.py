@@ -13,6 +13,8 @@ __all__ = ["TaskSpec", "TASKS", "TASK_ALIASES", "get_task", "GLUE_TASKS", "IMAGE
 # The label of positions that neither the loss nor the metrics count (sub-tokens after a word's first,
 # special tokens, padding): PyTorch's cross_entropy ignores it by default.
 IGNORE_INDEX = -100
+# How far the embedding task's sentence embeddings are from the teacher's (engine.training.embedding_loss).
+EMBEDDING_LOSSES = ("cosine", "mse")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from ..fileio import atomic_write_json
 from ..folder_layout import STATE_FILE
 from ..layers.attention import AttentionMode, attention_mode
 from ..ops.reference import logits_distillation_loss
-from ..tasks import IGNORE_INDEX
+from ..tasks import EMBEDDING_LOSSES, IGNORE_INDEX
 
 
 
@@ -86,9 +86,6 @@ def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if logits.shape[-1] == 1 and labels.is_floating_point():
         return F.mse_loss(logits.squeeze(-1).float(), labels.float())
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX)
-
-
-EMBEDDING_LOSSES = ("cosine", "mse")
 
 
 def teacher_kl(teacher: nn.Module, batch: dict, logits: torch.Tensor, over_positions: bool = False) -> torch.Tensor:

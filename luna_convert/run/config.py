@@ -14,10 +14,9 @@ from typing import Any, Iterator, Mapping
 
 from ..conversion import resolve_options
 from ..engine.lora import check_peft_available
-from ..engine.training import EMBEDDING_LOSSES
 from ..errors import LunaConvertError, unknown_name
 from ..linear_methods.registry import get_method
-from ..tasks import get_task
+from ..tasks import EMBEDDING_LOSSES, get_task
 
 # The control run of `compare`: the original model finetuned unconverted with the same budget, so that
 # "% recovered" can be read against what the extra training alone does to the teacher.
