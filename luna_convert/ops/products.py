@@ -187,13 +187,15 @@ def _transposed_product_context(ctx, inputs, output):
 
 
 def _transposed_product_backward(ctx, grad):
+    """x^T y's gradients through the operators themselves (traced graphs hold no native call otherwise):
+    y g^T for x, x g for y, where g is the gradient of the product's columns."""
     x, y = ctx.saved_tensors
     columns = y.shape[-1]
     grad_xy = grad[..., :columns]
-    grad_x = product(y, grad_xy.transpose(-1, -2)) if ctx.needs_input_grad[0] else None  # y g^T   [..., N, D]
+    grad_x = product_op(y, grad_xy.transpose(-1, -2).contiguous(), None) if ctx.needs_input_grad[0] else None
     if grad_x is not None and ctx.with_sum:  # the sum column: each token's row gets the column's gradient
         grad_x = grad_x + grad[..., columns].unsqueeze(-2)
-    grad_y = product(x, grad_xy) if ctx.needs_input_grad[1] else None  # x g   [..., N, e]
+    grad_y = product_op(x, grad_xy.contiguous(), None) if ctx.needs_input_grad[1] else None  # x g   [..., N, e]
     return grad_x, grad_y, None
 
 
@@ -219,8 +221,8 @@ def _product_context(ctx, inputs, output):
 
 def _product_backward(ctx, grad):
     x, w = ctx.saved_tensors
-    grad_x = product(grad, w.transpose(-1, -2)) if ctx.needs_input_grad[0] else None  # g w^T
-    grad_w = transposed_product(x, grad) if ctx.needs_input_grad[1] else None  # x^T g
+    grad_x = product_op(grad.contiguous(), w.transpose(-1, -2).contiguous(), None) if ctx.needs_input_grad[0] else None
+    grad_w = transposed_product_op(x, grad.contiguous(), False) if ctx.needs_input_grad[1] else None  # x^T g
     grad_bias = grad.sum(-2, keepdim=True) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return grad_x, grad_w, grad_bias
 

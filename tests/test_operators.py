@@ -1,0 +1,108 @@
+"""The native products as registered PyTorch operators (``ops.products``): their registration (schema,
+fake implementation, autograd) checked by ``torch.library.opcheck``, their gradients against float64
+torch.bmm, and the operators called inside compiled graphs and shown by torch.export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import luna_convert
+from conftest import example_inputs, make_bert
+from luna_convert.layers.attention import LinearAttention
+from luna_convert.ops import native, products
+
+pytestmark = pytest.mark.skipif(products.native_library() is None, reason="needs an x86 CPU and a C compiler")
+
+
+def _operands(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 37, 5, generator=g)
+    y = torch.randn(2, 3, 37, 4, generator=g)
+    w = torch.randn(2, 3, 5, 4, generator=g)
+    bias = torch.randn(1, 3, 1, 4, generator=g).expand(2, 3, 1, 4)  # an operand expanded over the batch
+    return x, y, w, bias
+
+
+@pytest.mark.parametrize("with_sum", [False, True])
+def test_transposed_product_operator_registration(with_sum):
+    x, y, _, _ = _operands()
+    torch.library.opcheck(products.transposed_product_op, (x.requires_grad_(), y.requires_grad_(), with_sum))
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_product_operator_registration(with_bias):
+    x, _, w, bias = _operands()
+    torch.library.opcheck(products.product_op, (x.requires_grad_(), w.requires_grad_(),
+                                                bias.contiguous().requires_grad_() if with_bias else None))
+
+
+def test_operator_values_and_gradients_match_float64_bmm():
+    x, y, w, bias = (t.contiguous() for t in _operands(1))
+    grads = {}
+    for name, dtype, tp, p in (("op", torch.float32, products.transposed_product_op, products.product_op),
+                               ("ref", torch.float64, products.transposed_product_reference,
+                                products.product_reference)):
+        leaves = [t.to(dtype).requires_grad_() for t in (x, y, w, bias)]
+        xx, yy, ww, bb = leaves
+        out = tp(xx, yy, True)
+        out2 = p(xx, ww, bb)
+        loss = (out * torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out)).sum() + (out2 ** 2).sum()
+        grads[name] = (out.detach(), out2.detach(), *torch.autograd.grad(loss, leaves))
+    for got, want in zip(grads["op"], grads["ref"]):
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _counting(monkeypatch):
+    calls = []
+    for name in ("_native_transposed_product", "_native_product"):
+        real = getattr(products, name)
+        monkeypatch.setattr(products, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("method", ["luna", "hedgehog", "t2r"])
+def test_compiled_layer_calls_the_native_operators(method, monkeypatch):
+    calls = _counting(monkeypatch)
+    layer = LinearAttention(method, 16, 2, 0.25)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(3))
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, 30:] = False
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        expected = layer(q, k, v, mask)
+        del calls[:]
+        got = compiled(q, k, v, mask)
+    assert calls, "the compiled graph ran no native product"
+    assert torch.allclose(got, expected, atol=1e-5)
+    # training: the core's forward and hand-written backward call them too
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    del calls[:]
+    compiled(*leaves, mask).square().sum().backward()
+    assert "_native_product" in calls and "_native_transposed_product" in calls
+    reference = [t.clone().requires_grad_() for t in (q, k, v)]
+    with native.reference_kernels():
+        layer(*reference, mask).square().sum().backward()
+    for a, b in zip(leaves, reference):
+        assert torch.allclose(a.grad, b.grad, atol=1e-4)
+
+
+def _operators_in(program) -> set[str]:
+    """The luna_convert operators the exported program calls (in its graph or its submodules')."""
+    return {str(node.target) for module in program.graph_module.modules() if hasattr(module, "graph")
+            for node in module.graph.nodes if str(node.target).startswith("luna_convert.")}
+
+
+def test_torch_export_shows_the_operators_and_runs():
+    model = make_bert(layers=1)
+    luna_convert.convert(model, method="t2r")
+    inputs = example_inputs("hf-bert")
+    with torch.no_grad():
+        program = torch.export.export(model, (), dict(inputs), strict=False)
+        assert _operators_in(program) == {"luna_convert.transposed_product.default", "luna_convert.product.default"}
+        assert torch.allclose(program.module()(**inputs).logits, model(**inputs).logits, atol=1e-5)
+        with native.reference_kernels():  # what export_model traces: no native operator in the graph
+            plain = torch.export.export(model, (), dict(inputs), strict=False)
+    assert _operators_in(plain) == set()
