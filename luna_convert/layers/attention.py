@@ -24,7 +24,7 @@ from ..linear_methods.registry import get_method
 from ..ops.context import AttentionContext
 from ..ops.dwc import depthwise_conv_tokens_plus
 from ..ops.linear import (divide_by_last_column, floored_linear_attention, linear_attention,
-                          linear_attention_unnormalised, produced_attention_unnormalised)
+                          linear_attention_unnormalised, produced_attention_unnormalised, warn_small_denominators)
 from ..ops.reference import (attention_distillation_loss, linear_attention_weights, output_distillation_loss,
                              softmax_attention, softmax_attention_weights, windowed_linear_attention_weights)
 from ..ops.streamed import streamed_linear_attention
@@ -167,6 +167,11 @@ class LinearAttention(nn.Module):
         return (self.kernel if self.phi_q is None else self.phi_q).feature_dim
 
     @property
+    def denominator_check(self) -> str | None:
+        """The method's name where its rows' den tells underflowed features (``FeatureMap.stabilised``), else None."""
+        return self.method if self.phi_q is not None and self.phi_q.stabilised else None
+
+    @property
     def clamp_denominator(self) -> bool:
         """Signed features: divide by max(den, eps), as den + eps could still be 0 or negative."""
         return self.phi_q is not None and self.phi_q.signed_kernel
@@ -251,6 +256,8 @@ class LinearAttention(nn.Module):
             return torch.einsum("bhnm,bhmd->bhnd", teacher, v.to(teacher.dtype)).to(v.dtype)
         sums = self.undivided_output(q, k, v, key_mask, context, produced_only=self.dwc is None)
         if sums is not None:
+            if self.denominator_check is not None:
+                warn_small_denominators(sums[..., -1:], key_mask, self.denominator_check)
             if self.dwc is None:
                 return divide_by_last_column(sums, self.eps, self.clamp_denominator)
             # the division done in DWC's pass, as it adds: no [B, H, N, d] pass of its own
@@ -313,7 +320,8 @@ class LinearAttention(nn.Module):
                 out = floored_linear_attention(*self.features(q, k, context), v, key_mask, self.eps,
                                                self.denominator_floor)
             elif chunk is None:
-                out = linear_attention(*self.features(q, k, context), v, key_mask, self.eps, self.clamp_denominator)
+                out = linear_attention(*self.features(q, k, context), v, key_mask, self.eps, self.clamp_denominator,
+                                       self.denominator_check)
             else:
                 out = streamed_linear_attention(q, k, v, self.query_features, self.key_features, params,
                                                 key_mask, self.eps, chunk, q_context=context,

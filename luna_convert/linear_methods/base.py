@@ -153,6 +153,9 @@ class FeatureMap(MethodCore, abc.ABC):
       denominator_floor  with a signed kernel, a number f (or None): the layer divides by
                       max(phi(q)^T z, f |phi(q)| sum_j |phi(k_j)|) (``ops.linear.floored_linear_attention``),
                       a floor on the scale of the row's own terms, so a row never divides by ~0
+      stabilised      the features are exps shifted by stabilisers that cancel in the normalisation (Performer,
+                      Flexformer's positive variant, ELA's exp): rows whose den is that of underflowed features
+                      are warned about (``ops.linear.warn_small_denominators``)
       context_free    the map never reads its context (nor the role): a token's features depend on
                       its own vector alone, so a shared map can take queries and keys in one call (``each``)
     """
@@ -164,6 +167,7 @@ class FeatureMap(MethodCore, abc.ABC):
     signed_features: bool = False
     signed_kernel: bool = False
     denominator_floor: float | None = None
+    stabilised: bool = False
     context_free: bool = False
 
     @property

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..ops.context import AttentionContext
+from ..ops.dtypes import accumulation_dtype
 from .base import AttentionOptions, FeatureMap, Method, check_choice, option
 from .registry import register
 
@@ -49,6 +50,7 @@ class ELAFeatureMap(FeatureMap):
         super().__init__(head_dim, num_heads, options, **overrides)
         # the distance kernels' features and kernel values may be negative
         self.signed_features = self.signed_kernel = self.options.kernel != "exp"
+        self.stabilised = self.options.kernel == "exp"
         # exp: a learnable temperature per head, init 1 (no 1/sqrt(d): the paper's code uses raw q, k)
         self.log_temperature = nn.Parameter(torch.zeros(num_heads, 1, 1)) if self.options.kernel == "exp" else None
 
@@ -57,10 +59,17 @@ class ELAFeatureMap(FeatureMap):
         return self.head_dim if self.options.kernel == "exp" else self.head_dim + 2
 
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
+        # float32 for half-precision inputs (float64 stays): float16's exp features and |x|^2 overflow, and
+        # the gradients of features far below 1 did too (inf at x5 activations)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return self.features_in(x.to(accumulation_dtype(x)), context)
+
+    def features_in(self, x: torch.Tensor, context: AttentionContext | None) -> torch.Tensor:
+        """``forward``'s features of x in x's dtype."""
         is_key = context is not None and context.role == "key"
         mask = None if context is None else context.view_mask
         if self.options.kernel == "exp":
-            z = x * torch.exp(-self.log_temperature)
+            z = x * torch.exp(-self.log_temperature.to(x.dtype))
             if not is_key:
                 return torch.exp(z - z.amax(-1, keepdim=True).detach())
             real = None if mask is None else mask[:, None, :, None]

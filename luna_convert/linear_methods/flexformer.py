@@ -82,6 +82,7 @@ class FlexformerFeatureMap(FeatureMap):
         super().__init__(head_dim, num_heads, options, **overrides)
         variant = self.options.variant
         self.signed_features = self.signed_kernel = variant != "positive"
+        self.stabilised = variant == "positive"
         m = self.options.num_frequencies or (64 if variant == "positive" else 32)
         generator = torch.Generator().manual_seed(self.options.seed)
         omega = gaussian_frequencies(num_heads, m, head_dim, generator)

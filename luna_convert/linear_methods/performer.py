@@ -72,6 +72,7 @@ class PerformerFeatureMap(FeatureMap):
 
     options_class = PerformerOptions
     token_wise = False  # the key stabiliser is a max over all real keys of the example
+    stabilised = True
 
     def __init__(self, head_dim: int, num_heads: int, options: PerformerOptions | None = None, **overrides):
         super().__init__(head_dim, num_heads, options, **overrides)

@@ -8,6 +8,8 @@ over [N, d] tensors, contiguous gradients, the key mask folded into the products
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import products
@@ -40,6 +42,33 @@ def _keys_kept(key_mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if key_mask is None else key_mask.view(key_mask.shape[0], 1, -1, 1)
 
 
+# A stabilised kernel's row (largest term about 1 when its keys' features are sound) whose den is below this has
+# lost its significant terms to underflow, or meets the 1e-12 eps guard within 1e-5: every row of Performer's,
+# Flexformer's and ELA's that was off by > 1e-3 against the exact attention of the same random features was below
+# it (64 tokens, head dims 16-64, q, k x1 to x100; tests/test_numerics.py)
+SMALL_DENOMINATOR = 1e-7
+
+
+def warn_small_denominators(den: torch.Tensor, keep: torch.Tensor | None, name: str) -> None:
+    """Warn with the fraction of real rows (``keep``: the key mask [B, N], or as the core takes it; in
+    self-attention the queries are the keys) whose den [B, H, N, 1] is below ``SMALL_DENOMINATOR``: a stabilised
+    kernel's features underflowed there. Eager code only (a data-dependent branch)."""
+    if torch.compiler.is_compiling():
+        return
+    small = den.detach() < SMALL_DENOMINATOR
+    if keep is not None and keep.shape[-1] * keep.shape[-2] == small.shape[-2]:
+        real = keep.reshape(keep.shape[0], 1, -1, 1).bool().expand_as(small)
+        small, rows = small & real, int(real.sum())
+    else:
+        rows = small.numel()
+    count = int(small.sum())
+    if count:
+        warnings.warn(f"{name}: {count / max(rows, 1):.1%} of attention rows ({count} of {rows}) have a "
+                      f"denominator below {SMALL_DENOMINATOR:g}: the keys' features underflowed under the "
+                      "stabiliser (activations too large for this kernel in this precision), so those rows' outputs "
+                      "may be off", RuntimeWarning, stacklevel=2)
+
+
 def _reciprocal_denominator(den: torch.Tensor, eps: float, clamp: bool):
     """(1 / (den + eps), None), or with ``clamp`` (1 / max(den, eps), where den > eps: where clamped the
     denominator passes no gradient); in place in den."""
@@ -69,9 +98,11 @@ class _LinearAttentionCore(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, keep, eps, clamp):
+    def forward(ctx, phi_q, phi_k, v, keep, eps, clamp, check):
         phi_q, phi_k, values, kvz, num_den = _sums_and_products(phi_q, phi_k, v, keep)
         num, den = num_den.split([v.shape[-1], 1], -1)  # one view call, not two slices
+        if check is not None:
+            warn_small_denominators(den, keep, check)
         r, unclamped = _reciprocal_denominator(den, eps, clamp)
         ctx.save_for_backward(phi_q, phi_k, values, kvz, r, unclamped)
         return num * r  # [..., N, d]
@@ -104,23 +135,25 @@ class _LinearAttentionCore(torch.autograd.Function):
             grad_v = products.product(phi_k, grad_kvz[..., :d])
             if masked:
                 grad_v.mul_(values[..., d:])
-        return grad_q if ctx.needs_input_grad[0] else None, grad_k, grad_v, None, None, None
+        return grad_q if ctx.needs_input_grad[0] else None, grad_k, grad_v, None, None, None, None
 
 
 def linear_attention_core(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float,
-                          clamp: bool = False, keep: torch.Tensor | None = None) -> torch.Tensor:
+                          clamp: bool = False, keep: torch.Tensor | None = None, check: str | None = None) -> torch.Tensor:
     """phi_q S / (phi_q z + eps) for [B, H, N, D] features and [B, H, N, d] values, all of one float dtype
     (``clamp``: phi_q S / max(phi_q z, eps), the guard for signed features, whose sums can be <= 0).
 
     ``keep``: which keys are real, broadcastable to [B, H, N, 1] (bool or 0/1; None: all), the
-    sums then run over real keys only. The caller handles dtypes; see ``linear_attention`` below.
+    sums then run over real keys only. ``check``: a stabilised kernel's name; rows whose den is that of
+    underflowed features are then warned about (``warn_small_denominators``). The caller handles dtypes; see
+    ``linear_attention`` below.
     """
-    return _LinearAttentionCore.apply(phi_q, phi_k, v, keep, eps, clamp)
+    return _LinearAttentionCore.apply(phi_q, phi_k, v, keep, eps, clamp, check)
 
 
 def linear_attention(
     phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None, eps: float = EPS,
-    clamp: bool = False,
+    clamp: bool = False, check: str | None = None,
 ) -> torch.Tensor:
     """out_i = phi(q_i)^T S / (phi(q_i)^T z + eps), S = sum_j phi(k_j) v_j^T, z = sum_j phi(k_j)
     (``clamp``: divided by max(phi(q_i)^T z, eps) instead, for signed features).
@@ -133,7 +166,7 @@ def linear_attention(
     out_dtype, compute = v.dtype, accumulation_dtype(phi_q, phi_k, v)
     with torch.autocast(device_type=v.device.type, enabled=False):
         phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
-        out = linear_attention_core(phi_q, phi_k, v, eps, clamp, _keys_kept(key_mask))
+        out = linear_attention_core(phi_q, phi_k, v, eps, clamp, _keys_kept(key_mask), check)
     return out.to(out_dtype)
 
 
