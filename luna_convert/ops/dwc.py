@@ -124,19 +124,25 @@ def native_status() -> str:
     return native.status(NATIVE_SOURCE, _NATIVE_SIGNATURES)
 
 
+@torch.compiler.assume_constant_result
+def native_available() -> bool:
+    """Whether the library is built; a constant of a compiled graph (dynamo cannot trace its loading)."""
+    return native_library() is not None
+
+
 def _native_applies(x, weight, bias, addend, divided: bool) -> bool:
     """Whether ``dwc_tokens.c`` takes these tensors: float32 on the CPU, an addend, no division where a gradient
-    is recorded (the layer divides there only without one), eager code, the library built."""
+    is recorded (the layer divides there only without one), the library built. Compiled and exported graphs
+    call it as the registered operator ``luna_convert::dwc_tokens_plus``."""
     tensors = [t for t in (x, weight, bias, addend) if t is not None]
     return (addend is not None and x.dim() == 4 and x.shape[-1] <= NATIVE_MAX_CHANNELS
             and addend.shape == (*x.shape[:-1], x.shape[-1] + divided) and x.stride(-1) == 1
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and not (divided and _records_grad(*tensors))
-            and not torch.compiler.is_compiling() and native_library() is not None)
+            and all([t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors])
+            and not (divided and _records_grad(*tensors)) and native_available())
 
 
 def _records_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return torch.is_grad_enabled() and any([t.requires_grad for t in tensors])  # a list: see products
 
 
 def _token_chunks(rows: int, heads: int, channels: int) -> int:
@@ -163,6 +169,75 @@ def _native_pass(x, weight, bias, addend, keep, divide, layout) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
+def _native_backward(x, weight, keep, layout, has_bias: bool, grad):
+    """``dwc_tokens_backward``: the gradients of x, the weight and the bias from the output's gradient."""
+    b, h, n, c = x.shape
+    prefix, grid_h, grid_w, kh, kw = layout
+    grad_tokens = grad.transpose(1, 2).contiguous()  # [B, N, H, C]: the order the pass reads and writes
+    grad_x = torch.empty_like(grad_tokens)
+    taps = weight.reshape(c, -1).t().contiguous()
+    rows = b * n
+    chunks = _token_chunks(rows, h, c)
+    # Per chunk double sums (no two threads add into one), added up after.
+    sums_w = torch.zeros(chunks, kh * kw, c, dtype=torch.float64)
+    sums_b = torch.zeros(chunks, c, dtype=torch.float64)
+    args = [h, n, c, *x.stride()[:3], prefix, grid_h, grid_w, taps.data_ptr(), kh, kw,
+            0 if keep is None else keep.data_ptr(), grad_tokens.data_ptr(), grad_x.data_ptr()]
+    native.run_in_chunks(lambda r0, r1, i: native_library().dwc_tokens_backward(
+        x.data_ptr(), r0, r1, *args, sums_w[i].data_ptr(), sums_b[i].data_ptr()), rows, chunks)
+    grad_w = sums_w.sum(0).t().reshape(weight.shape).to(weight.dtype)
+    grad_b = sums_b.sum(0).to(weight.dtype) if has_bias else None
+    return grad_x.transpose(1, 2), grad_w, grad_b
+
+
+# The native pass as a registered operator (schema, fake output, autograd): what compiled and exported graphs
+# call. Eager code calls ``_native_pass`` and ``_NativeDepthwiseConvPlus`` directly, without the dispatcher.
+@torch.library.custom_op("luna_convert::dwc_tokens_plus", mutates_args=(), device_types="cpu")
+def dwc_tokens_plus_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, addend: torch.Tensor,
+                       keep: torch.Tensor | None, layout: list[int], divided: bool, eps: float,
+                       clamp: bool) -> torch.Tensor:
+    """The DWC branch of x plus ``addend`` (divided by its last column when ``divided``), natively."""
+    if x.stride(-1) != 1:  # a graph may hand other layouts than it was traced with
+        x = x.contiguous()
+    return _native_pass(x, weight, bias, addend, keep, (eps, clamp) if divided else None, tuple(layout))
+
+
+@dwc_tokens_plus_op.register_fake
+def _dwc_tokens_plus_shape(x, weight, bias, addend, keep, layout, divided, eps, clamp):
+    b, h, n, c = x.shape
+    return x.new_empty((b, n, h, c)).transpose(1, 2)  # token-major memory, as the pass writes it
+
+
+def _dwc_context(ctx, inputs, output):
+    x, weight, bias, addend, keep, layout, divided, eps, clamp = inputs
+    if divided:  # the layer divides only where no gradient is recorded
+        raise RuntimeError("dwc_tokens_plus has no gradient through the division of its addend")
+    ctx.layout, ctx.has_bias = tuple(layout), bias is not None
+    ctx.save_for_backward(x, weight, keep)
+
+
+@torch.library.custom_op("luna_convert::dwc_tokens_backward", mutates_args=(), device_types="cpu")
+def dwc_tokens_backward_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, keep: torch.Tensor | None,
+                           layout: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of x, the weight and the bias of the DWC branch, natively."""
+    grad_x, grad_w, grad_b = _native_backward(x.contiguous(), weight, keep, tuple(layout), True, grad)
+    return grad_x.contiguous(), grad_w, grad_b
+
+
+@dwc_tokens_backward_op.register_fake
+def _dwc_tokens_backward_shape(grad, x, weight, keep, layout):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[:1])
+
+
+def _dwc_backward(ctx, grad):
+    x, weight, keep = ctx.saved_tensors
+    grad_x, grad_w, grad_b = dwc_tokens_backward_op(grad, x, weight, keep, list(ctx.layout))
+    return grad_x, grad_w, grad_b if ctx.has_bias else None, grad, None, None, None, None, None
+
+
+dwc_tokens_plus_op.register_autograd(_dwc_backward, setup_context=_dwc_context)
+
+
 class _NativeDepthwiseConvPlus(torch.autograd.Function):
     """``_native_pass`` without division, with the native backward (``dwc_tokens_backward``): training's DWC
     branch in two passes over the tokens instead of a PyTorch op per tap, each way."""
@@ -177,23 +252,7 @@ class _NativeDepthwiseConvPlus(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, weight, keep = ctx.saved_tensors
-        b, h, n, c = x.shape
-        prefix, grid_h, grid_w, kh, kw = ctx.layout
-        grad_tokens = grad.transpose(1, 2).contiguous()  # [B, N, H, C]: the order the pass reads and writes
-        grad_x = torch.empty_like(grad_tokens)
-        taps = weight.reshape(c, -1).t().contiguous()
-        rows = b * n
-        chunks = _token_chunks(rows, h, c)
-        # Per chunk double sums (no two threads add into one), added up after.
-        sums_w = torch.zeros(chunks, kh * kw, c, dtype=torch.float64)
-        sums_b = torch.zeros(chunks, c, dtype=torch.float64)
-        args = [h, n, c, *x.stride()[:3], prefix, grid_h, grid_w, taps.data_ptr(), kh, kw,
-                0 if keep is None else keep.data_ptr(), grad_tokens.data_ptr(), grad_x.data_ptr()]
-        native.run_in_chunks(lambda r0, r1, i: native_library().dwc_tokens_backward(
-            x.data_ptr(), r0, r1, *args, sums_w[i].data_ptr(), sums_b[i].data_ptr()), rows, chunks)
-        grad_w = sums_w.sum(0).t().reshape(weight.shape).to(weight.dtype)
-        grad_b = sums_b.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return grad_x.transpose(1, 2), grad_w, grad_b, grad, None, None
+        return (*_native_backward(x, weight, keep, ctx.layout, ctx.has_bias, grad), grad, None, None)
 
 
 def depthwise_conv_tokens_plus(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -231,7 +290,11 @@ def depthwise_conv_tokens_plus(x: torch.Tensor, weight: torch.Tensor, bias: torc
         # (prefix, grid_h, grid_w, kh, kw): text is the grid 1 x N without a prefix, its kernel 1 x k
         layout = (num_prefix, *grid, *weight.shape[2:]) if grid else (0, 1, n, 1, weight.shape[2])
         keep = None if keep is None else keep.to(torch.uint8).contiguous()
-        if _records_grad(x, weight, *(t for t in (bias, addend) if t is not None)):
+        if torch.compiler.is_compiling():
+            eps, clamp = divide if divide is not None else (0.0, False)
+            return torch.ops.luna_convert.dwc_tokens_plus(x, weight, bias, addend, keep, list(layout),
+                                                          divide is not None, float(eps), bool(clamp))
+        if _records_grad(x, weight, *[t for t in (bias, addend) if t is not None]):
             return _NativeDepthwiseConvPlus.apply(x, weight, bias, addend, keep, layout)
         return _native_pass(x, weight, bias, addend, keep, divide, layout)
     if divide is not None:
