@@ -149,6 +149,7 @@ def test_resume_after_a_crash_ends_where_an_uninterrupted_run_ends(tmp_path, mon
     (["listops", "--method", "no-such-method"], "unknown method"),
     (["listops", "--method", "luna", "--set", "method_options.luna.channels=0"], "method_options.luna"),
     (["retrieval", "--data-dir", "/no/such/folder"], "does not exist"),
+    (["pathfinder", "--set", "data.train_examples=null"], "set data.train_examples to a number"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     result = run_cli(*args, "--run-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"))
@@ -173,3 +174,17 @@ def test_compare_runs_each_method_in_its_own_process_and_reads_finished_runs_bac
         assert row["accuracy"]["mean"] == results["converted_score"]
         assert row["peak_rss_mib"]["mean"] == results["lra"]["peak_rss_mb"] > 0
     assert "| luna |" in (tmp_path / "cmp" / "compare.md").read_text()
+
+
+def test_retrieval_runs_on_document_pairs_from_a_folder(tmp_path):
+    rows = [f"{i % 2}\tdoc{i}\tdoc{i + 1}\t{'ab' * (i + 3)}\t{'ba' * (i + 5)}" for i in range(12)]
+    (tmp_path / "aan").mkdir()
+    (tmp_path / "aan" / "train.tsv").write_text("\n".join(rows) + "\n")
+    (tmp_path / "aan" / "test.tsv").write_text("\n".join(rows[:4]) + "\n")
+    result = run_cli("retrieval", "--method", "luna", "--data-dir", str(tmp_path / "aan"), "--max-steps", "1",
+                     "--batch-size", "4", "--set", "data.dev_fraction=0.25", "--run-dir", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    data = results["lra"]["data"]
+    assert (data["train"]["examples"], data["dev"]["examples"], data["test"]["examples"]) == (9, 3, 4)
+    assert data["train"]["max_pair_length"] <= 2 * 16 and results["eval_examples"] == 4

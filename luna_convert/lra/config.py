@@ -131,6 +131,11 @@ class LRAConfig:
                 raise LunaConvertError(f"method_options.{self.method}: {e}") from None
         self.encoder.check()
         check_counts(self.data)
+        if task_info(self.task).generated:
+            unset = [n for n in ("train_examples", "dev_examples", "test_examples") if getattr(self.data, n) is None]
+            if unset:
+                raise LunaConvertError(f"lra {self.task} generates its data: set data.{unset[0]} to a number of "
+                                       "examples (null means all of a folder's)")
         check_train(self.train)
         if self.eval_split not in SPLIT_NAMES:
             raise LunaConvertError(f"eval_split must be one of {', '.join(SPLIT_NAMES)}, got {self.eval_split!r}")
