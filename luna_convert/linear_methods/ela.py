@@ -75,8 +75,8 @@ class ELAFeatureMap(FeatureMap):
             real = None if mask is None else mask[:, None, :, None]
             masked = z if real is None else z.masked_fill(~real, float("-inf"))
             shift = masked.amax(dim=(-2, -1), keepdim=True).detach()  # one per example and head
-            # an all-padding example has no real key: -inf - -inf would be NaN, and reach every gradient
-            shift = shift.masked_fill(torch.isinf(shift), 0.0)
+            if real is not None:  # an all-padding example has no real key: -inf - -inf is NaN, in every gradient
+                shift = shift.masked_fill(torch.isinf(shift), 0.0)
             feats = torch.exp(masked - shift)  # pads: exp(-inf) = 0, never inf * 0
             return feats
         sq = x.square().sum(-1, keepdim=True)

@@ -130,10 +130,7 @@ def sorted_kernel_sums(x: torch.Tensor, y: torch.Tensor, u: torch.Tensor, profil
     right0, right1 = decayed_prefix_sums(-y_sorted.flip(-1), u_sorted.flip(-2), moments=moments, block=block)
     right0, right1 = right0.flip(-2), None if right1 is None else right1.flip(-2)
     n = y.shape[-1]
-    y_sorted = y_sorted.contiguous()
-    above = torch.searchsorted(y_sorted, x.contiguous(), right=True)  # keys <= x_i: sorted positions < above
-    has_left, has_right = (above > 0)[..., None], (above < n)[..., None]
-    left_at, right_at = (above - 1).clamp_min(0), above.clamp_max(n - 1)
+    y_sorted, x = y_sorted.contiguous(), x.contiguous()
 
     def side(at, gap_sign, sums0, sums1, present):
         gap = gap_sign * (x - y_sorted.gather(-1, at))  # >= 0 where the neighbour exists
@@ -142,7 +139,17 @@ def sorted_kernel_sums(x: torch.Tensor, y: torch.Tensor, u: torch.Tensor, profil
         value = (1 + gap) * pick(sums0) + pick(sums1) if moments else pick(sums0)
         return torch.where(present, torch.exp(-gap) * value, torch.zeros_like(value))
 
-    return side(left_at, 1, left0, left1, has_left) + side(right_at, -1, right0, right1, has_right)
+    def split_at(above):  # the sums with the keys at sorted positions < above on the left
+        has_left, has_right = (above > 0)[..., None], (above < n)[..., None]
+        left_at, right_at = (above - 1).clamp_min(0), above.clamp_max(n - 1)
+        return side(left_at, 1, left0, left1, has_left) + side(right_at, -1, right0, right1, has_right)
+
+    sums = split_at(torch.searchsorted(y_sorted, x, right=True))  # keys <= x_i on the left
+    if moments:  # (1 + |t|) e^-|t| has slope 0 at t = 0 from either side
+        return sums
+    # Laplace's e^-|t| has a kink at 0: a key tied with x_i counted on the left has slope -1, on the right +1. The
+    # mean of both splits has the same value and the explicit form's slope 0 at ties (|t|' = sign(t) = 0 there).
+    return 0.5 * (sums + split_at(torch.searchsorted(y_sorted, x, right=False)))
 
 
 class SortingKernelAttention(KernelAttention):

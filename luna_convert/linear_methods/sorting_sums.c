@@ -15,7 +15,9 @@
      laplace:   S = e^{-g} L0_p + e^{-h} R0_{p+1}
      matern32:  S = e^{-g}((1 + g) L0_p + L1_p) + e^{-h}((1 + h) R0_{p+1} + R1_{p+1})
    and the derivative sum S'(x) = sum_j kappa'(x - y_j) u_j from the same neighbours:
-     laplace:   S' = -e^{-g} L0_p + e^{-h} R0_{p+1}         (kappa'(0) taken from the left key: -1)
+     laplace:   S' = -e^{-g} L0_p + e^{-h} R0_{p+1} + sum_{y_j = x} u_j
+                (kappa'(0) = 0 at a tie, as the explicit form's |t|' = sign(t): the tied keys, counted in L0_p
+                with -1, are added back; ``tied_dot``)
      matern32:  S' = -e^{-g}(g L0_p + L1_p) + e^{-h}(h R0_{p+1} + R1_{p+1})
    Keys and queries are sorted here (a radix sort) and the queries walked in sorted order, so finding
    their neighbours is one merge, not a search per query.
@@ -119,6 +121,22 @@ static inline void neighbours(float x, const float *ys, int64_t n, int64_t above
     }
 }
 
+/* sum over the sorted points p = above - 1, above - 2, ... equal to x of g . u_p (u_p: the scanned point's row with
+   its ones column), the laplace slope's tie term (see the header); 0 where none equals x. */
+static float tied_dot(const float *g, const Points *points, const float *ys, const int32_t *order, int64_t above,
+                      float x, float *point) {
+    float sum = 0.0f;
+    int64_t width = points->width;
+    for (int64_t p = above - 1; p >= 0 && ys[p] == x; p--) {
+        const float *src = points->rows + (int64_t)order[p] * points->stride;
+        float m = point_weight(points, order[p]);
+        for (int64_t c = 0; c < width; c++) point[c] = m * src[c];
+        if (points->ones) point[width] = m;
+        for (int64_t c = 0; c < width + points->ones; c++) sum += g[c] * point[c];
+    }
+    return sum;
+}
+
 /* acc += weight * (a side's part of S): e^{-g} s0, or e^{-g}((1 + g) s0 + s1). */
 static void add_value(float *acc, const Side *side, int64_t channels, int matern, float weight) {
     if (!side->present) return;
@@ -210,7 +228,7 @@ static void sort_values(const float *x, int64_t n, float *sorted, int32_t *order
 typedef struct {
     void *block;
     Sums keys, queries;          /* scans over the keys (values u) and, backward, over the queries (G) */
-    float *acc, *ys, *xs, *grad_u, *g, *point, *decays;
+    float *acc, *ys, *xs, *grad_u, *g, *point, *tie, *decays;
     int32_t *yo, *xo;
     double *total, *total_g;
     SortScratch sort;
@@ -220,7 +238,7 @@ typedef struct {
 static int take_scratch(Scratch *s, int64_t nq, int64_t n, int64_t channels, int matern, int backward,
                         int32_t *failed) {
     int64_t sides = matern ? 4 : 2, most = nq > n ? nq : n;
-    int64_t floats = sides * n * channels + nq * channels + n + nq + channels + most
+    int64_t floats = sides * n * channels + nq * channels + n + nq + 2 * channels + most
                      + (backward ? sides * nq * channels + n * channels : 0);
     size_t bytes = sizeof(float) * (size_t)floats + sizeof(int32_t) * (size_t)(n + nq + 2 * most)
                    + sizeof(uint32_t) * (size_t)(2 * most) + sizeof(double) * (size_t)(2 * channels);
@@ -245,6 +263,7 @@ static int take_scratch(Scratch *s, int64_t nq, int64_t n, int64_t channels, int
     s->g = s->acc;
     s->grad_u = backward ? f : NULL; f += backward ? n * channels : 0;
     s->point = f; f += channels;
+    s->tie = f; f += channels;
     s->decays = f; f += most;
     s->ys = f; f += n;
     s->xs = f; f += nq;
@@ -371,6 +390,8 @@ void sorting_attention_backward(const float *x, const float *y, const float *v, 
                 float value = 0.0f, slope = 0.0f;
                 side_dots(g, &left, channels, matern, -1.0f, &value, &slope);
                 side_dots(g, &right, channels, matern, 1.0f, &value, &slope);
+                if (!matern && left.present && left.gap == 0.0f)
+                    slope += tied_dot(g, &keys, s.ys, s.yo, above, s.xs[i], s.tie);
                 grad_weight += value;
                 gx[s.xo[i]] = weight * slope;
             }
@@ -396,6 +417,8 @@ void sorting_attention_backward(const float *x, const float *y, const float *v, 
                 s.point[values] = 1.0f;
                 side_dots(s.point, &left, channels, matern, -1.0f, &value, &slope);
                 side_dots(s.point, &right, channels, matern, 1.0f, &value, &slope);
+                if (!matern && left.present && left.gap == 0.0f)
+                    slope += tied_dot(s.point, &grads, s.xs, s.xo, above, s.ys[j], s.tie);
                 gy[key] = weight * slope;
             }
         }

@@ -55,7 +55,9 @@ def warn_small_denominators(den: torch.Tensor, keep: torch.Tensor | None, name: 
     kernel's features underflowed there. Eager code only (a data-dependent branch)."""
     if torch.compiler.is_compiling():
         return
-    small = den.detach() < SMALL_DENOMINATOR
+    small = torch.lt(den, SMALL_DENOMINATOR)
+    if not bool(small.any()):  # the common case in three operator calls
+        return
     if keep is not None and keep.shape[-1] * keep.shape[-2] == small.shape[-2]:
         real = keep.reshape(keep.shape[0], 1, -1, 1).bool().expand_as(small)
         small, rows = small & real, int(real.sum())
