@@ -153,3 +153,23 @@ def test_compiled_luna_layer_calls_the_native_dwc(monkeypatch):
         del calls[:]
         assert torch.allclose(compiled(q, k, v), expected, atol=1e-5)
     assert calls
+
+
+def test_fake_outputs_promise_the_real_layouts():
+    """Inductor checks a custom operator's outputs against its fake implementation's sizes and strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from luna_convert.ops import dwc
+
+    x, y, w, bias = _operands(4)
+    _, dwc_args = _dwc_operands(False, True)
+    grad = torch.randn(dwc_args[0].shape)
+    cases = [(products.transposed_product_op, (x, y, True)), (products.product_op, (x, w, bias.contiguous())),
+             (dwc.dwc_tokens_plus_op, dwc_args),
+             (dwc.dwc_tokens_backward_op, (grad, dwc_args[0], dwc_args[1], dwc_args[4], dwc_args[5]))]
+    for op, args in cases:
+        real = op(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+        for r, f in zip(real if isinstance(real, tuple) else (real,), fake if isinstance(fake, tuple) else (fake,)):
+            assert (r.shape, r.stride()) == (f.shape, f.stride()), op

@@ -221,7 +221,7 @@ def dwc_tokens_backward_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Te
                            layout: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of x, the weight and the bias of the DWC branch, natively."""
     grad_x, grad_w, grad_b = _native_backward(x.contiguous(), weight, keep, tuple(layout), True, grad)
-    return grad_x.contiguous(), grad_w, grad_b
+    return grad_x.contiguous(), grad_w.contiguous(), grad_b  # the layouts the fake outputs promise (Inductor checks)
 
 
 @dwc_tokens_backward_op.register_fake
