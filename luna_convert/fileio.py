@@ -57,6 +57,22 @@ def atomic_write_json(path: str | Path, data) -> None:
 
 
 @contextlib.contextmanager
+def keep_log_entries(log_file: Path, keep) -> None:
+    """Rewrite a JSON-lines log with only the entries for which ``keep(entry)`` holds (and without a line torn
+    by a kill): what a resumed run does to the lines its crashed attempt wrote after its last checkpoint."""
+    if not log_file.is_file():
+        return
+    kept = []
+    for line in log_file.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if keep(entry):
+            kept.append(line)
+    atomic_write_text(log_file, "".join(f"{line}\n" for line in kept))
+
+
 def atomic_directory(path: str | Path, overwrite: bool = False,
                      overwrite_hint: str = "pass --overwrite") -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it takes the place of ``path``.

@@ -23,7 +23,7 @@ import torch
 from ..engine.scoring import score
 from ..engine.training import finetune, read_trainer_state
 from ..errors import LunaConvertError
-from ..fileio import atomic_write_json, atomic_write_text
+from ..fileio import atomic_write_json, keep_log_entries
 from ..folder_layout import CONFIG_FILE, CURVES_FILE, LOG_FILE, MODEL_DIR, RESULTS_FILE, STATE_FILE, WEIGHTS_FILE
 from ..run.plots import write_curves
 from ..run.results import RunResults, StepCounts, Timings
@@ -97,18 +97,7 @@ def clear_run_folder(run_dir: Path) -> None:
 
 def forget_after_checkpoint(run_dir: Path, step: int) -> None:
     """On resume: drop log lines of steps after the last checkpoint (and a line torn by a kill)."""
-    log_file = run_dir / LOG_FILE
-    if not log_file.is_file():
-        return
-    kept = []
-    for line in log_file.read_text().splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if entry.get("step", 0) <= step:
-            kept.append(line)
-    atomic_write_text(log_file, "".join(f"{line}\n" for line in kept))
+    keep_log_entries(run_dir / LOG_FILE, lambda entry: entry.get("step", 0) <= step)
 
 
 def build_model(config: LRAConfig, vocab: int, num_classes: int, max_length: int, pair: bool) -> LRAEncoder:

@@ -124,7 +124,7 @@ def native_status() -> str:
     return native.status(NATIVE_SOURCE, _NATIVE_SIGNATURES)
 
 
-@torch.compiler.assume_constant_result
+@native.constant_in_graphs
 def native_available() -> bool:
     """Whether the library is built; a constant of a compiled graph (dynamo cannot trace its loading)."""
     return native_library() is not None

@@ -60,6 +60,15 @@ _POOL: ThreadPoolExecutor | None = None
 _POOL_KEY: tuple[int, int] = (0, 0)  # (process, threads) the pool was made for: a forked child makes its own
 
 
+def constant_in_graphs(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result(fn)``: torch.compile calls ``fn`` once while tracing and keeps its
+    result as a constant of the graph. Set as that decorator sets it, since importing it loads torch._dynamo and
+    sympy, 2.1 s of every command's start-up (``python -X importtime -c "import luna_convert.run.config"``);
+    tests/test_operators.py's compiled tests fail if torch stops reading it."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def cache_dir() -> Path:
     if os.environ.get(CACHE_VARIABLE):
         return Path(os.environ[CACHE_VARIABLE]) / "native"

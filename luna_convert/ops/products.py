@@ -46,7 +46,7 @@ def native_library() -> ctypes.CDLL | None:
     return lib if lib is not None and lib.product_lanes() > 0 else None
 
 
-@torch.compiler.assume_constant_result
+@native.constant_in_graphs
 def native_available() -> bool:
     """Whether ``native_library`` gives the library; torch.compile reads it once, as a constant of the graph
     (dynamo cannot trace the library's loading: a lock and ctypes)."""
