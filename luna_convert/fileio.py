@@ -56,7 +56,6 @@ def atomic_write_json(path: str | Path, data) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
 
 
-@contextlib.contextmanager
 def keep_log_entries(log_file: Path, keep) -> None:
     """Rewrite a JSON-lines log with only the entries for which ``keep(entry)`` holds (and without a line torn
     by a kill): what a resumed run does to the lines its crashed attempt wrote after its last checkpoint."""
@@ -73,6 +72,7 @@ def keep_log_entries(log_file: Path, keep) -> None:
     atomic_write_text(log_file, "".join(f"{line}\n" for line in kept))
 
 
+@contextlib.contextmanager
 def atomic_directory(path: str | Path, overwrite: bool = False,
                      overwrite_hint: str = "pass --overwrite") -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it takes the place of ``path``.
