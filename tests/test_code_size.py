@@ -8,7 +8,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "luna_convert"
 MAX_FUNCTION_LINES, MAX_MODULE_LINES = 120, 700
 # Functions still over the limit, each to be split; an entry that is no longer over it must be removed.
-OVER_LIMIT = {"run/autoconfig.py:resolve_own_data"}
+OVER_LIMIT: set[str] = set()
 
 
 def function_lengths(root: Path = PACKAGE) -> dict[str, int]:

@@ -451,30 +451,7 @@ def resolve_own_data(config: RunConfig, loaded, say: Callable[[str], None] | Non
 
     num_params = sum(p.numel() for p in loaded.model.parameters())
     limit = model_position_limit(loaded) if kind == "text" else None
-    auto = set(config.auto or ())
-    hparams: dict[str, dict] = {}
-    for key, (value, why) in choose_hyperparameters(num_params, n_train, kind).items():
-        if key in auto:
-            config.set_setting(key, value)
-            hparams[key] = {"value": value, "why": why}
-        else:
-            hparams[key] = {"value": config.setting(key), "why": "given"}
-    length_info = None
-    if kind == "text":
-        lengths, sampled = _token_lengths(train_ds, spec, loaded.tokenizer, seed)
-        if "train.max_length" in auto:
-            value, why = choose_max_length(lengths, limit)
-            t.max_length = value
-        else:
-            value, why = t.max_length, "given"
-            check_positions(loaded, value, value)
-        cut = sum(n > value for n in lengths)
-        hparams["train.max_length"] = {"value": value, "why": why}
-        length_info = {"max_length": value, "percentile_99": _percentile(lengths, 99), "longest": max(lengths, default=0),
-                       "train_examples_cut": cut, "measured_on": sampled, "model_positions": limit}
-    if t.max_steps is not None:
-        hparams["train.max_steps"] = {"value": t.max_steps,
-                                      "why": "given, overrides epochs" if t.max_steps else "given: no finetuning"}
+    hparams, length_info = _resolve_settings(config, spec, loaded, train_ds, num_params, limit)
 
     resolved = {
         "task": spec.name,
@@ -498,6 +475,37 @@ def resolve_own_data(config: RunConfig, loaded, say: Callable[[str], None] | Non
         for line in describe(resolved):
             say(escape(line))
     return resolved
+
+
+def _resolve_settings(config: RunConfig, spec, loaded, train_ds, num_params: int,
+                      limit: int | None) -> tuple[dict[str, dict], dict | None]:
+    """The training settings left to ``auto`` chosen for this model and data (set in ``config``), each with why,
+    and for text the max length with the token lengths it was chosen from."""
+    t, kind, auto = config.train, loaded.kind, set(config.auto or ())
+    hparams: dict[str, dict] = {}
+    for key, (value, why) in choose_hyperparameters(num_params, len(train_ds), kind).items():
+        if key in auto:
+            config.set_setting(key, value)
+            hparams[key] = {"value": value, "why": why}
+        else:
+            hparams[key] = {"value": config.setting(key), "why": "given"}
+    length_info = None
+    if kind == "text":
+        lengths, sampled = _token_lengths(train_ds, spec, loaded.tokenizer, config.seed)
+        if "train.max_length" in auto:
+            value, why = choose_max_length(lengths, limit)
+            t.max_length = value
+        else:
+            value, why = t.max_length, "given"
+            check_positions(loaded, value, value)
+        cut = sum(n > value for n in lengths)
+        hparams["train.max_length"] = {"value": value, "why": why}
+        length_info = {"max_length": value, "percentile_99": _percentile(lengths, 99), "longest": max(lengths, default=0),
+                       "train_examples_cut": cut, "measured_on": sampled, "model_positions": limit}
+    if t.max_steps is not None:
+        hparams["train.max_steps"] = {"value": t.max_steps,
+                                      "why": "given, overrides epochs" if t.max_steps else "given: no finetuning"}
+    return hparams, length_info
 
 
 def _count(n: int) -> str:
