@@ -32,8 +32,8 @@ class _SumNormalize(torch.autograd.Function):
 
 def sum_normalize(x: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
     """x / (x.sum(dim, keepdim=True) + eps): the entries along ``dim`` sum to (nearly) 1 for x >= 0. Half
-    precision runs in float32 and comes back in x's dtype: LUNA's channel sums reach 7e4 at trained-model
-    activations, past float16's largest number, and a sum of inf made every feature of the token 0."""
+    precision runs in float32 and comes back in x's dtype: LUNA's channel sums pass float16's largest number
+    (65,504) at trained-model activations, and a sum of inf made every feature of the token 0."""
     if x.dtype in (torch.float16, torch.bfloat16):
         with torch.autocast(device_type=x.device.type, enabled=False):
             return _SumNormalize.apply(x.float(), dim, eps).to(x.dtype)
