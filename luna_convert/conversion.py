@@ -1,5 +1,6 @@
-"""``convert(model, method, **options)``: swap every supported softmax self-attention
-for linear attention in place, keeping the pretrained weights."""
+"""``convert(model, method, options=None, **overrides)``: swap every supported softmax self-attention
+for linear attention in place, keeping the pretrained weights. The method's options object, validated
+once here, is what every layer holds and what ``save`` writes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from .adapters import (attention_like_classes, check_supported, find_adapter, li
                        LinearizedAttention)
 from .errors import ConversionError
 from .layers.attention import LinearAttention
+from .linear_methods.base import AttentionOptions
 from .linear_methods.registry import get_method
 
 CONFIG_ATTR = "linear_attention_config"  # set on a converted model; read by save() and the pipeline
@@ -20,10 +22,11 @@ CONFIG_ATTR = "linear_attention_config"  # set on a converted model; read by sav
 
 @dataclass
 class ConversionConfig:
-    """What was converted and how; saved beside the weights so load() can rebuild it."""
+    """What was converted and how; saved beside the weights so load() can rebuild it (``to_dict``: the options
+    object written out field by field)."""
 
     method: str
-    options: dict
+    options: AttentionOptions
     targets: list[str] = field(default_factory=list)
     convert_local_layers: bool = False
 
@@ -45,7 +48,7 @@ class ReplacedModule:
 @dataclass
 class ConversionReport:
     method: str
-    options: dict
+    options: AttentionOptions
     modules: list[ReplacedModule]
     kept_local: list[str] = field(default_factory=list)  # sliding-window attention left softmax
     kept_softmax: list[str] = field(default_factory=list)  # attention modules left softmax on request
@@ -55,7 +58,7 @@ class ConversionReport:
         return sum(m.params_added for m in self.modules)
 
     def to_dict(self) -> dict:
-        return {"method": self.method, "options": self.options, "params_added": self.params_added,
+        return {"method": self.method, "options": asdict(self.options), "params_added": self.params_added,
                 "modules": [asdict(m) for m in self.modules], "kept_local": self.kept_local,
                 "kept_softmax": self.kept_softmax}
 
@@ -74,11 +77,16 @@ def is_converted(model: nn.Module) -> bool:
     return any(isinstance(m, LinearizedAttention) for m in model.modules())
 
 
-def resolve_options(method: str, options: dict) -> dict:
-    """Every option of ``method``: its defaults updated with ``options`` and validated (the method's
-    options dataclass); an unknown key or a bad value is a ConversionError. Also fills in the keys
-    that a folder saved by an older version lacks."""
+def resolve_options(method: str, options: dict | AttentionOptions) -> AttentionOptions:
+    """The options object of ``method`` (its options dataclass): its defaults updated with ``options`` and
+    validated, or ``options`` itself when it already is one; an unknown key, a bad value or another method's
+    options object is a ConversionError."""
     spec = get_method(method)
+    if isinstance(options, AttentionOptions):
+        try:
+            return spec.check_options(options)
+        except (ValueError, TypeError) as e:
+            raise ConversionError(f"invalid options for method {method!r} ({e})") from None
     unknown = set(options) - set(spec.defaults)
     if unknown:
         valid = sorted(spec.defaults)
@@ -87,7 +95,7 @@ def resolve_options(method: str, options: dict) -> dict:
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise ConversionError(f"unknown option(s) {sorted(unknown)} for method {method!r}.{hint} Valid: {valid}")
     try:
-        return spec.make_options(**options).to_dict()
+        return spec.make_options(**options)
     except (ValueError, TypeError) as e:
         raise ConversionError(f"invalid options for method {method!r} ({e}); see `luna-convert methods --details`"
                               ) from None
@@ -110,7 +118,8 @@ def convert(
     *,
     convert_local_layers: bool = False,
     keep_softmax_layers: Sequence[int] = (),
-    **options,
+    options: AttentionOptions | None = None,
+    **overrides,
 ) -> ConversionReport:
     """Convert ``model`` in place; returns what was replaced.
 
@@ -119,12 +128,16 @@ def convert(
     stays softmax unless ``convert_local_layers``: linear attention attends to every key,
     so a converted local layer no longer sees only its window. ``keep_softmax_layers``:
     attention layers (0-based, in module order; negative from the end) left as softmax,
-    a hybrid model. ``options`` override the method's defaults (see
-    ``luna_convert.METHODS[method].defaults`` or ``luna-convert methods --details``).
+    a hybrid model. ``options``: the method's options object (e.g. ``LunaOptions(...)``; None: its
+    defaults); ``overrides`` replace single options (see ``luna_convert.METHODS[method].defaults`` or
+    ``luna-convert methods --details``). The one validated options object is what every layer gets and
+    what ``save`` writes.
     """
     if is_converted(model):
         raise ConversionError("this model is already converted to linear attention; convert the original checkpoint instead")
-    resolved = resolve_options(method, options)
+    resolved = resolve_options(method, options if options is not None and not overrides else
+                               {**(asdict(options) if options is not None else {}), **overrides})
+    method = get_method(method).name  # an alias is recorded (and saved) under the method's name
     grid = patch_grid(model)
     check_supported(model)
     attention = [(name, module, adapter) for name, module in model.named_modules()
@@ -158,7 +171,7 @@ def convert(
         ref = next(module.parameters())
         try:
             linear_attn = LinearAttention(method, head_dim, num_heads, scale, spatial=grid is not None,
-                                          **resolved).to(device=ref.device, dtype=ref.dtype)
+                                          options=resolved).to(device=ref.device, dtype=ref.dtype)
         except (ValueError, TypeError, RuntimeError) as e:  # RuntimeError: torch refusing e.g. a negative size
             raise ConversionError(f"invalid options for method {method!r} ({e}); see `luna-convert methods "
                                   "--details`") from None

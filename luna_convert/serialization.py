@@ -21,7 +21,7 @@ from safetensors.torch import load_model, save_model
 import torch
 from torch import nn
 
-from .conversion import CONFIG_ATTR, convert
+from .conversion import CONFIG_ATTR, convert, resolve_options
 from .errors import LunaConvertError
 from .fileio import atomic_directory, atomic_write_json
 from .folder_layout import CONVERSION_FILE, HF_CONFIG_FILE, MODEL_DIR, WEIGHTS_FILE
@@ -215,9 +215,12 @@ def load(directory: str | Path) -> nn.Module:
     conversion = meta.get("conversion")
     if conversion is not None:
         target_names = set(conversion["targets"])
-        options = get_method(conversion["method"]).options.with_saved_defaults(conversion["options"])
-        convert(model, conversion["method"], filter_fn=lambda _m, name: name in target_names,
-                convert_local_layers=conversion.get("convert_local_layers", False), **options)
+        # The saved name may be a former one (an alias); the options object is rebuilt from its fields, the
+        # ones an older version did not write taking that version's values.
+        spec = get_method(conversion["method"])
+        options = resolve_options(spec.name, spec.options.with_saved_defaults(conversion["options"]))
+        convert(model, spec.name, filter_fn=lambda _m, name: name in target_names,
+                convert_local_layers=conversion.get("convert_local_layers", False), options=options)
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise LunaConvertError(f"{weights} is missing; the folder is incomplete, re-run or restore it")

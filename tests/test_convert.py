@@ -273,13 +273,32 @@ def test_invalid_option_value_is_a_conversion_error_and_leaves_model_alone():
     assert not is_converted(model) and not linear_attention_modules(model)
 
 
+def test_a_method_alias_finds_the_method_and_may_not_shadow_a_name():
+    from luna_convert.linear_methods.base import Method
+    from luna_convert.linear_methods.registry import ALIASES, get_method, register
+
+    elu = METHOD_SPECS["elu"]
+    with pytest.raises(ValueError, match="'luna' is registered twice"):
+        register(Method(name="elu-again", core=elu.core, description="", paper="", details="", aliases=("luna",)))
+    assert "elu-again" not in METHOD_SPECS and "luna" not in ALIASES  # nothing half-registered
+    try:
+        register(Method(name="elu-renamed", core=elu.core, description="", paper="", details="", aliases=("elu-old",)))
+        assert get_method("elu-old") is METHOD_SPECS["elu-renamed"]
+        report = convert(make_bert(), "elu-old")
+        assert report.method == "elu-renamed"
+    finally:
+        METHOD_SPECS.pop("elu-renamed", None)
+        ALIASES.pop("elu-old", None)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_report_fields(method):
     model = make_bert()
     report = convert(model, method)
     spec = METHOD_SPECS[method]
     assert report.method == method
-    assert report.options == {**spec.defaults}
+    assert type(report.options) is spec.options and report.options == spec.options()  # the typed object
+    assert report.to_dict()["options"] == spec.defaults
     names = [r.name for r in report.modules]
     assert names == [f"bert.encoder.layer.{i}.attention.self" for i in range(LAYERS)]
     for r in report.modules:

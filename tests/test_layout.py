@@ -82,7 +82,7 @@ def test_converting_with_a_kernel_method_keeps_the_logits(softmax_kernel_method)
         before = logits_of(model, inputs)
         report = convert(model, softmax_kernel_method)
         after = logits_of(model, inputs)
-    assert report.options == METHODS[softmax_kernel_method].defaults and report.modules[0].feature_dim == 0
+    assert report.options == METHODS[softmax_kernel_method].options() and report.modules[0].feature_dim == 0
     torch.testing.assert_close(after, before, rtol=0, atol=1e-6)  # measured 2.4e-7: softmax as a kernel is softmax
 
 
@@ -214,7 +214,7 @@ def test_a_folder_saved_in_the_old_format_still_loads(method, tmp_path):
         assert torch.equal(logits_of(loaded, inputs), expected)
     # keys the old version did not save: its values where the defaults changed since (LUNA), else the defaults
     want = {**METHODS[method].defaults, **METHODS[method].options.saved_before, **OLD_OPTIONS[method]}
-    assert getattr(loaded, "linear_attention_config").options == want
+    assert getattr(loaded, "linear_attention_config").options == METHODS[method].options(**want)
 
 
 # ------------------------------------------------------------------ imports

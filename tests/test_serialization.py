@@ -4,13 +4,16 @@ errors for folders that are incomplete, corrupt or in the way."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 
 from luna_convert.conversion import CONFIG_ATTR, convert, is_converted, linear_attention_modules
-from luna_convert.errors import LunaConvertError
+from luna_convert.errors import ConversionError, LunaConvertError
 from luna_convert.linear_methods import METHODS
+from luna_convert.linear_methods.luna import LunaOptions
+from luna_convert.linear_methods.registry import ALIASES
 from luna_convert.serialization import CONVERSION_FILE, WEIGHTS_FILE, load, read_metadata, save
 
 from conftest import ARCHITECTURES, LAYERS, example_inputs, logits_of, make_bert
@@ -78,6 +81,53 @@ def test_round_trip_keeps_options_and_filter(tmp_path):
     inputs = example_inputs("hf-bert")
     with torch.no_grad():
         assert torch.equal(logits_of(loaded, inputs), logits_of(model, inputs))
+
+
+def test_options_are_one_typed_object_from_convert_through_save_and_load(tmp_path):
+    model = make_bert()
+    options = LunaOptions(projections=4, channels=2, envelope=True)
+    report = convert(model, "luna", options=options)
+    config = getattr(model, CONFIG_ATTR)
+    # validated once in convert(): every layer holds that object, not a copy rebuilt from a dict
+    assert report.options is options and config.options is options
+    assert all(la.options is options for la in linear_attention_modules(model))
+    perturb_new_parameters(model)
+    folder = save(model, tmp_path / "m")
+    assert read_metadata(folder)["conversion"]["options"] == asdict(options)
+    loaded = load(folder)
+    loaded_options = getattr(loaded, CONFIG_ATTR).options
+    assert type(loaded_options) is LunaOptions and loaded_options == options
+    assert all(la.options is loaded_options for la in linear_attention_modules(loaded))
+    inputs = example_inputs("hf-bert")
+    with torch.no_grad():
+        assert torch.equal(logits_of(loaded, inputs), logits_of(model, inputs))
+    # keyword overrides on top of an options object; another method's options object is refused
+    assert convert(make_bert(), "luna", options=options, channels=4).options == replace(options, channels=4)
+    with pytest.raises(ConversionError, match="takes LunaOptions, not T2ROptions"):
+        convert(make_bert(), "luna", options=METHODS["t2r"].options())
+
+
+def test_a_folder_naming_a_former_method_name_loads(tmp_path, monkeypatch):
+    model = make_bert()
+    convert(model, "hedgehog", dwc=True)
+    perturb_new_parameters(model)
+    inputs = example_inputs("hf-bert")
+    with torch.no_grad():
+        expected = logits_of(model, inputs)
+    folder = save(model, tmp_path / "m")
+    meta = json.loads((folder / CONVERSION_FILE).read_text())
+    meta["conversion"]["method"] = "hedgehog-old"
+    (folder / CONVERSION_FILE).write_text(json.dumps(meta))
+    with pytest.raises(LunaConvertError, match="hedgehog-old"):  # an unknown name, until it is an alias
+        load(folder)
+    monkeypatch.setitem(ALIASES, "hedgehog-old", "hedgehog")  # as Method(..., aliases=("hedgehog-old",)) does
+    loaded = load(folder)
+    with torch.no_grad():
+        assert torch.equal(logits_of(loaded, inputs), expected)
+    # recorded (and saved again) under the method's name
+    assert getattr(loaded, CONFIG_ATTR).method == "hedgehog"
+    assert {la.method for la in linear_attention_modules(loaded)} == {"hedgehog"}
+    assert read_metadata(save(loaded, tmp_path / "again"))["conversion"]["method"] == "hedgehog"
 
 
 def test_round_trip_keeps_bf16(tmp_path):

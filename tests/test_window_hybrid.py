@@ -244,7 +244,7 @@ def test_convert_save_load_round_trip_keeps_the_hybrid(tmp_path):
     plain = convert(make_bert(), "hedgehog")
     model = make_bert()
     report = convert(model, "hedgehog", window=2)
-    assert report.options["window"] == 2
+    assert report.options.window == 2
     assert report.params_added == plain.params_added + LAYERS * HEADS  # one gamma per head and layer
     g = torch.Generator().manual_seed(3)
     for layer in linear_attention_modules(model):
@@ -257,7 +257,7 @@ def test_convert_save_load_round_trip_keeps_the_hybrid(tmp_path):
     with torch.no_grad():
         expected = logits_of(model, batch)
     loaded = load(save(model, tmp_path / "model"))
-    assert getattr(loaded, "linear_attention_config").options["window"] == 2
+    assert getattr(loaded, "linear_attention_config").options.window == 2
     for before, after in zip(linear_attention_modules(model), linear_attention_modules(loaded)):
         assert torch.equal(before.window_mix, after.window_mix)
     with torch.no_grad():
@@ -272,7 +272,7 @@ def test_a_folder_saved_before_the_window_existed_loads_with_window_zero(tmp_pat
     del meta["conversion"]["options"]["window"]
     (folder / CONVERSION_FILE).write_text(json.dumps(meta))
     loaded = load(folder)
-    assert getattr(loaded, "linear_attention_config").options["window"] == 0
+    assert getattr(loaded, "linear_attention_config").options.window == 0
     assert all(layer.window_mix is None for layer in linear_attention_modules(loaded))
 
 

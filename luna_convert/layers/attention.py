@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 from contextlib import contextmanager
+from dataclasses import asdict
 from typing import Iterable, Iterator
 
 import torch
@@ -113,8 +114,9 @@ class LinearAttention(nn.Module):
                  options: AttentionOptions | None = None, **overrides):
         super().__init__()
         spec = get_method(method)
-        options = spec.make_options(**{**(options.to_dict() if options is not None else {}), **overrides})
-        self.method, self.options = method, options
+        if options is None or overrides:  # built (and validated) here; a given options object was validated once
+            options = spec.make_options(**{**(asdict(options) if options is not None else {}), **overrides})
+        self.method, self.options = spec.name, spec.check_options(options)
         self.head_dim, self.num_heads, self.softmax_scale, self.eps = head_dim, num_heads, softmax_scale, options.eps
         if spec.kind == FEATURE_MAP_KIND:
             self.phi_q = spec.core(head_dim, num_heads, options)

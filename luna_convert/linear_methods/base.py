@@ -220,6 +220,8 @@ class Method:
     details      what is confirmed from the paper / code and what is derived (``methods --details``)
     distill      its recipe distils attention (Hedgehog stage 1) before finetuning
     recipe       further run settings the method recommends (e.g. ``{"train.added_lr": ...}``)
+    aliases      former names: ``get_method`` and ``load`` accept them, so folders saved under an old name
+                 still load (a renamed method lists its old name here)
     """
 
     name: str
@@ -229,6 +231,7 @@ class Method:
     details: str
     distill: bool = False
     recipe: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    aliases: tuple[str, ...] = ()
 
     @property
     def options(self) -> type[AttentionOptions]:
@@ -245,7 +248,13 @@ class Method:
 
     def make_options(self, **given) -> AttentionOptions:
         """The options object (defaults filled in, validated); ValueError / TypeError on a bad value or name."""
-        options = self.options(**given)
+        return self.check_options(self.options(**given))
+
+    def check_options(self, options: AttentionOptions) -> AttentionOptions:
+        """``options`` if they are this method's (its options class) and fit its kind; ValueError / TypeError
+        if not. The dataclass validated its own values when it was made."""
+        if type(options) is not self.options:
+            raise TypeError(f"{self.name!r} takes {self.options.__name__}, not {type(options).__name__}")
         if options.window and self.kind != FEATURE_MAP_KIND:
             # the window's complement is subtracted as phi(q) . phi(k) terms, which a kernel method does not have
             raise ValueError(f"window must be 0 for {self.name!r}: only feature-map methods support a sliding "

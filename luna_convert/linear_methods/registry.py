@@ -8,16 +8,26 @@ from ..errors import unknown_name
 from .base import FEATURE_MAP_KIND, FeatureMap, Method
 
 METHODS: dict[str, Method] = {}
+ALIASES: dict[str, str] = {}  # a former method name -> the name it is registered under now
 
 
 def register(method: Method) -> Method:
-    if method.name in METHODS:
-        raise ValueError(f"method {method.name!r} is registered twice")
+    for name in (method.name, *method.aliases):
+        if name in METHODS or name in ALIASES:
+            raise ValueError(f"method {name!r} is registered twice")
     METHODS[method.name] = method
+    ALIASES.update(dict.fromkeys(method.aliases, method.name))
     return method
 
 
+def canonical_name(name: str) -> str:
+    """The registered name of ``name`` (itself, or the method an alias names); unknown names stay as given."""
+    return ALIASES.get(name, name)
+
+
 def get_method(name: str) -> Method:
+    """The method registered as ``name`` or under a former name (an alias)."""
+    name = canonical_name(name)
     if name not in METHODS:
         raise unknown_name("method", name, METHODS)
     return METHODS[name]
