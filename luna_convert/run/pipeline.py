@@ -1,4 +1,5 @@
-"""The conversion job: teacher score, convert, (distil), finetune, converted score, save.
+"""The conversion job as named stages: resolve, pre-flight, load (and the original's score), convert, distil,
+finetune, score, save (``STAGES``; each a function of the run and what the stages before it handed on).
 
 ``run_conversion(config)`` is what ``luna-convert RECIPE`` calls; ``evaluate_model``
 is ``luna-convert eval``. Both work unchanged under ``accelerate launch``.
@@ -8,13 +9,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import partial
 from pathlib import Path
+from typing import Any, Callable
 
 from .autoconfig import needs_resolution, task_for
-from ..conversion import convert, feature_map_parameters, is_converted
+from ..conversion import ConversionReport, convert, feature_map_parameters, is_converted
 from ..errors import LunaConvertError, RunInterrupted
 from ..fileio import atomic_write_json, atomic_write_text
 from ..folder_layout import (CONFIG_FILE, CONVERSION_FILE, CURVES_FILE, DISTILLED_DIR, LOG_FILE, MODEL_CARD_FILE,
@@ -31,7 +33,7 @@ from ..engine.lora import add_lora, merge_lora
 from ..engine.training import distill_attention, embedding_loss, finetune, read_trainer_state
 from ..tasks import get_task
 from .models import check_model_folder, load_model, missing_local_folder
-from .preflight import preflight
+from .preflight import Checked, preflight
 from .teachers import ensure_builtin
 from ..engine.scoring import score
 from .task_data import TaskData, steps_for
@@ -183,10 +185,70 @@ def run_conversion(config: RunConfig | None, resume: str | Path | None = None, c
         raise RunInterrupted(started[-1] if started and started[-1].is_dir() else None) from e
 
 
-def _run_conversion(config: RunConfig | None, resume, console, started: list[Path]) -> RunResults:
-    from accelerate.utils import set_seed
+# --------------------------------------------------------------------- stages
+# A run is these stages in order, each a function of the run and of what the stages before it handed on.
+STAGES = ("resolve", "preflight", "load", "convert", "distil", "finetune", "score", "save")
 
-    t_start = time.perf_counter()
+
+@dataclass
+class Run:
+    """What every stage reads: the settings, the folder, the accelerator and how to report. Stages add the
+    seconds they took to ``timings`` and the scores they took along the way to ``stage_scores``."""
+
+    config: RunConfig
+    accelerator: Any
+    run_dir: Path
+    resuming: bool
+    task: Any  # the TaskSpec; None for own data until pre-flight resolves it
+    method_recipe: dict = field(default_factory=dict)
+    reuse: bool = False  # a new run in a non-empty folder (allowed with --overwrite)
+    say: Callable = field(default=lambda *a, **k: None)
+    log: Callable = field(default=lambda entry: None)
+    started_at: float = field(default_factory=time.perf_counter)
+    timings: dict = field(default_factory=dict)
+    stage_scores: dict = field(default_factory=dict)
+
+    @property
+    def control(self) -> bool:
+        return self.config.method == CONTROL_METHOD
+
+    @property
+    def headline(self) -> str:
+        return headline_metric(self.task)
+
+
+@dataclass
+class Loaded:
+    """The load stage's hand-on: the model on the device, the frozen original for ``train.teacher_kd``, and the
+    original's score (``{"metrics", "seconds"}``)."""
+
+    model: Any
+    kd_teacher: Any
+    teacher: dict
+
+
+@dataclass
+class Converted:
+    """The convert stage's hand-on: its report (None for the control), the distillation steps left to take,
+    and what an interrupted attempt finished (the distillation record, the trainer state)."""
+
+    report: ConversionReport | None
+    distill_steps: int
+    distilled: dict | None
+    trainer_state: dict | None
+
+
+@dataclass
+class Trained:
+    model: Any  # as the accelerator prepared it
+    finetuned: Any  # engine.training's record of the stage: steps, seconds, final loss
+    lora: Any
+
+
+def resolve_stage(config: RunConfig | None, resume=None, console=None) -> Run:
+    """The run's settings and folder: a resumed run's from its config.json, a new run's checked and the method's
+    recommended settings filled in. Nothing is written."""
+    started_at = time.perf_counter()
     if resume is not None:
         run_dir = Path(resume)
         if not run_dir.is_dir():
@@ -200,9 +262,8 @@ def _run_conversion(config: RunConfig | None, resume, console, started: list[Pat
     config.check_runnable()
     method_recipe = apply_method_recipe(config) if resume is None else {}  # a resumed config has them already
     accelerator = make_accelerator(config)
-    own_data = needs_resolution(config)  # no recipe: task, columns, splits, defaults come from model + data
-    task = None if own_data else task_for(config)
-    reuse = False  # a new run in a non-empty folder (allowed with --overwrite)
+    task = None if needs_resolution(config) else task_for(config)  # own data: pre-flight resolves the task
+    reuse = False
     if resume is None:
         run_dir = Path(config.run_dir or new_run_dir(config))
         if accelerator.num_processes > 1:  # one folder for all ranks (their clocks may read different seconds)
@@ -217,162 +278,209 @@ def _run_conversion(config: RunConfig | None, resume, console, started: list[Pat
                                    "or choose another folder")
         if reuse:
             _check_replaceable(run_dir)
-    log = _logger(accelerator, run_dir)
     say = (console.print if console is not None and accelerator.is_main_process else (lambda *a, **k: None))
-    timings: dict[str, float] = {}
+    return Run(config, accelerator, run_dir, resume is not None, task, method_recipe, reuse, say,
+               _logger(accelerator, run_dir), started_at)
 
-    checked = preflight(config, run_dir, accelerator, task, say)  # nothing is written before it passes
-    loaded, data, eval_loaders, train_loader = checked.loaded, checked.data, checked.eval_loaders, checked.train_loader
-    control = config.method == CONTROL_METHOD
-    task = data.task  # a token task's tag names come with the model, the embedding task's headline with the data
+
+def load_stage(run: Run, checked: Checked, started: list[Path] | None = None) -> Loaded:
+    """The run folder made (a replaced run's files removed first), the model on the device, the frozen original
+    for teacher_kd copied before anything converts or trains it, and the original's score."""
+    accelerator, run_dir = run.accelerator, run.run_dir
+    run.task = checked.data.task  # a token task's tag names come with the model, the embedding task's headline with the data
     if accelerator.is_main_process:
-        if reuse:  # --overwrite: nothing of the old run may leak into this one
+        if run.reuse:  # --overwrite: nothing of the old run may leak into this one
             _clear_run_folder(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        if resume is None:
-            atomic_write_json(run_dir / CONFIG_FILE, config.to_dict())
-    started.append(run_dir)  # from here on, an interrupted run can be resumed
+        if not run.resuming:
+            atomic_write_json(run_dir / CONFIG_FILE, run.config.to_dict())
+    if started is not None:
+        started.append(run_dir)  # from here on, an interrupted run can be resumed
     accelerator.wait_for_everyone()
-    say(f"{'resuming' if resume is not None else 'run folder'} {run_dir}", soft_wrap=True)
-    model = loaded.model.to(accelerator.device)
-    # The frozen original for train.teacher_kd: copied before anything converts or trains the model.
-    kd_teacher = frozen_copy(model) if config.train.teacher_kd else None
+    run.say(f"{'resuming' if run.resuming else 'run folder'} {run_dir}", soft_wrap=True)
+    model = checked.loaded.model.to(accelerator.device)
+    kd_teacher = frozen_copy(model) if run.config.train.teacher_kd else None
+    return Loaded(model, kd_teacher, score_original(run, model, checked.eval_loaders))
 
-    # 1. The original score (kept across resumes: it never changes).
-    teacher_file = run_dir / TEACHER_FILE
+
+def score_original(run: Run, model, eval_loaders: dict) -> dict:
+    """The original model's score, taken once and kept across resumes (it never changes)."""
+    teacher_file = run.run_dir / TEACHER_FILE
     if teacher_file.is_file():
         teacher = _read_json(teacher_file, "teacher score")
     else:
-        say(f"scoring the original model on the {' and '.join(eval_loaders)} split")
+        run.say(f"scoring the original model on the {' and '.join(eval_loaders)} split")
         t0 = time.perf_counter()
-        metrics, _ = score(accelerator, model, eval_loaders, task)
+        metrics, _ = score(run.accelerator, model, eval_loaders, run.task)
         teacher = {"metrics": metrics, "seconds": time.perf_counter() - t0}
-        if accelerator.is_main_process:
+        if run.accelerator.is_main_process:
             atomic_write_json(teacher_file, teacher)
-    timings["teacher_eval_s"] = teacher["seconds"]
-    headline = headline_metric(task)
-    say(f"teacher {headline}: {teacher['metrics'][headline]:.4f}")
+    run.timings["teacher_eval_s"] = teacher["seconds"]
+    run.say(f"teacher {run.headline}: {teacher['metrics'][run.headline]:.4f}")
+    return teacher
 
-    # 2. Convert (seeded: a resumed run rebuilds the same feature maps), 3. distil.
+
+def stage_score(run: Run, model, eval_loaders: dict, name: str) -> None:
+    """The headline score of the model as it is now, once per run (kept across resumes in stage_scores.json)."""
+    if not run.config.train.score_stages or name in run.stage_scores:
+        return
+    import torch
+
+    # Scoring must not move the run's RNG stream: a resumed run skips it.
+    devices = [run.accelerator.device] if run.accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        stage_metrics, _ = score(run.accelerator, model, eval_loaders, run.task)
+    run.stage_scores[name] = stage_metrics[run.headline]
+    run.say(f"{name.replace('_', ' ')} {run.headline}: {run.stage_scores[name]:.4f}")
+    if run.accelerator.is_main_process:
+        atomic_write_json(run.run_dir / STAGES_FILE, run.stage_scores)
+
+
+def convert_stage(run: Run, model, eval_loaders: dict) -> Converted:
+    """Seeded conversion (a resumed run rebuilds the same feature maps), after reading what an interrupted
+    attempt finished and dropping what it did past its last checkpoint."""
+    from accelerate.utils import set_seed
+
+    config, accelerator = run.config, run.accelerator
     n_distill = distill_steps(config)
-    state = read_trainer_state(run_dir) if resume is not None else None
-    distilled_dir = run_dir / DISTILLED_DIR
-    distilled = _distilled_stage(distilled_dir) if n_distill else None
-    if resume is not None and accelerator.is_main_process:
-        _forget_after_checkpoint(run_dir, state["step"] if state and state["stage"] == "finetune" else 0,
+    state = read_trainer_state(run.run_dir) if run.resuming else None
+    distilled = _distilled_stage(run.run_dir / DISTILLED_DIR) if n_distill else None
+    if run.resuming and accelerator.is_main_process:
+        _forget_after_checkpoint(run.run_dir, state["step"] if state and state["stage"] == "finetune" else 0,
                                  distilled is not None)
     set_seed(config.seed)
-    if control:
-        report = None
-        say("control run: the original softmax model is finetuned with the same budget, unconverted")
+    report = None
+    if run.control:
+        run.say("control run: the original softmax model is finetuned with the same budget, unconverted")
     else:
         report = convert(model, config.method, keep_softmax_layers=config.keep_softmax_layers, **config.method_options)
         model.to(accelerator.device)
         kept = f"; {len(report.kept_softmax)} kept softmax" if report.kept_softmax else ""
-        say(f"converted {len(report.modules)} attention modules to {config.method} "
-            f"(+{report.params_added:,} parameters){kept}")
+        run.say(f"converted {len(report.modules)} attention modules to {config.method} "
+                f"(+{report.params_added:,} parameters){kept}")
         if n_distill and not feature_map_parameters(model):
             # Same budget for every method (compare): a map without parameters has nothing to distil.
-            say(f"{config.method} has no trainable feature map: its {n_distill} distillation steps are skipped")
+            run.say(f"{config.method} has no trainable feature map: its {n_distill} distillation steps are skipped")
             n_distill = 0
-    stage_scores = _read_json(run_dir / STAGES_FILE, "stage scores") if (run_dir / STAGES_FILE).is_file() else {}
+    stages_file = run.run_dir / STAGES_FILE
+    run.stage_scores = _read_json(stages_file, "stage scores") if stages_file.is_file() else {}
+    if not run.control:
+        stage_score(run, model, eval_loaders, "after_conversion")
+    return Converted(report, n_distill, distilled, state)
 
-    def score_stage(name: str) -> None:
-        """The headline score of the model as it is now, once per run (kept across resumes)."""
-        if not config.train.score_stages or name in stage_scores:
-            return
-        import torch
 
-        # Scoring must not move the run's RNG stream: a resumed run skips it.
-        devices = [accelerator.device] if accelerator.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            stage_metrics, _ = score(accelerator, model, eval_loaders, task)
-        stage_scores[name] = stage_metrics[headline]
-        say(f"{name.replace('_', ' ')} {headline}: {stage_scores[name]:.4f}")
-        if accelerator.is_main_process:
-            atomic_write_json(run_dir / STAGES_FILE, stage_scores)
-
-    if not control:
-        score_stage("after_conversion")
-    if n_distill and distilled is not None:
+def distil_stage(run: Run, model, checked: Checked, converted: Converted) -> None:
+    """Attention distillation (if the method's recipe or the config asks for it), saved as a checkpoint folder
+    that a resumed run loads instead of distilling again."""
+    n_distill, accelerator = converted.distill_steps, run.accelerator
+    distilled_dir = run.run_dir / DISTILLED_DIR
+    if n_distill and converted.distilled is not None:
         from safetensors.torch import load_model as load_weights
 
         load_weights(model, str(distilled_dir / WEIGHTS_FILE))
-        timings["distill_s"] = distilled["seconds"]
+        run.timings["distill_s"] = converted.distilled["seconds"]
     elif n_distill:
-        say(f"distilling attention for {n_distill} steps: each linear attention learns to match its softmax attention")
-        d = config.distill
+        run.say(f"distilling attention for {n_distill} steps: each linear attention learns to match its softmax "
+                "attention")
+        d = run.config.distill
         stage = distill_attention(accelerator, model, accelerator.prepare_data_loader(
-            data.train_loader(d.batch_size)), steps=n_distill, lr=d.lr, log=log, target=d.target,
-            span_logits=task.is_span_level)
-        timings["distill_s"] = stage.seconds
+            checked.data.train_loader(d.batch_size)), steps=n_distill, lr=d.lr, log=run.log, target=d.target,
+            span_logits=run.task.is_span_level)
+        run.timings["distill_s"] = stage.seconds
         if accelerator.is_main_process:
             save(model, distilled_dir, overwrite=True,
                  extra={"distill_stage": {"steps": stage.steps, "seconds": stage.seconds}})
         accelerator.wait_for_everyone()
     if n_distill:
-        score_stage("after_distillation")
+        stage_score(run, model, checked.eval_loaders, "after_distillation")
 
-    # 4. Finetune on the task.
-    t = config.train
-    total = steps_for(config, train_loader, accelerator)
+
+def finetune_stage(run: Run, loaded: Loaded, checked: Checked, converted: Converted) -> Trained:
+    """Finetuning on the task (LoRA if configured), from the last checkpoint when resuming."""
+    from accelerate.utils import set_seed
+
+    config, accelerator, t = run.config, run.accelerator, run.config.train
+    total = steps_for(config, checked.train_loader, accelerator)
+    state = converted.trainer_state
     start = state["step"] if state and state["stage"] == "finetune" else 0
     lora = None
     if config.lora.rank:
-        lora = add_lora(model, rank=config.lora.rank, alpha=config.lora.alpha, dropout=config.lora.dropout)
-        say(f"LoRA rank {lora.rank} on {lora.adapted_layers} linear layers: {lora.trainable_params:,} of "
-            f"{lora.total_params:,} parameters train (adapters, the task head, what conversion added)")
-    say(f"finetuning on the task for {total} steps" + (f" (from step {start})" if start else "") if total else
-        "no finetuning (train.max_steps 0): the model is scored as it is now")
+        lora = add_lora(loaded.model, rank=config.lora.rank, alpha=config.lora.alpha, dropout=config.lora.dropout)
+        run.say(f"LoRA rank {lora.rank} on {lora.adapted_layers} linear layers: {lora.trainable_params:,} of "
+                f"{lora.total_params:,} parameters train (adapters, the task head, what conversion added)")
+    run.say(f"finetuning on the task for {total} steps" + (f" (from step {start})" if start else "") if total else
+            "no finetuning (train.max_steps 0): the model is scored as it is now")
     set_seed(config.seed + 1)
-    model, stage = finetune(accelerator, model, train_loader, steps=total, lr=t.lr, weight_decay=t.weight_decay,
-                            schedule=t.schedule, warmup_ratio=t.warmup_ratio, max_grad_norm=t.max_grad_norm,
-                            run_dir=run_dir, checkpoint_every=t.checkpoint_every, start_step=start, log=log,
-                            added_lr=t.added_lr,
-                            loss_fn=partial(embedding_loss, kind=t.embedding_loss) if task.is_embedding_level
+    model, stage = finetune(accelerator, loaded.model, checked.train_loader, steps=total, lr=t.lr,
+                            weight_decay=t.weight_decay, schedule=t.schedule, warmup_ratio=t.warmup_ratio,
+                            max_grad_norm=t.max_grad_norm, run_dir=run.run_dir, checkpoint_every=t.checkpoint_every,
+                            start_step=start, log=run.log, added_lr=t.added_lr,
+                            loss_fn=partial(embedding_loss, kind=t.embedding_loss) if run.task.is_embedding_level
                             else None,
-                            teacher=kd_teacher, teacher_weight=t.teacher_kd, span_logits=task.is_span_level)
-    del kd_teacher
-    timings["finetune_s"] = stage.seconds
+                            teacher=loaded.kd_teacher, teacher_weight=t.teacher_kd, span_logits=run.task.is_span_level)
+    loaded.kd_teacher = None  # its memory back before scoring
+    run.timings["finetune_s"] = stage.seconds
+    return Trained(model, stage, lora)
 
-    # 5. The converted score, 6. save.
-    say(f"scoring the converted model on the {' and '.join(eval_loaders)} split")
+
+def score_stage(run: Run, trained: Trained, checked: Checked, loaded: Loaded, converted: Converted) -> RunResults:
+    """The converted model's score and per-head fit, LoRA folded into the weights, and the run's record."""
+    config, accelerator, eval_loaders, data = run.config, run.accelerator, checked.eval_loaders, checked.data
+    run.say(f"scoring the converted model on the {' and '.join(eval_loaders)} split")
     t0 = time.perf_counter()
-    metrics, counted = score(accelerator, model, eval_loaders, task)
-    timings["eval_s"] = time.perf_counter() - t0
+    metrics, counted = score(accelerator, trained.model, eval_loaders, run.task)
+    run.timings["eval_s"] = time.perf_counter() - t0
     # Which heads the kernel follows (per head: softmax entropy, KL to the linear rows).
-    fit = None if control else head_fit(accelerator.unwrap_model(model), next(iter(eval_loaders.values())),
-                                        device=accelerator.device)
-    if lora is not None:  # the saved model is the plain architecture, adapters folded into its weights
-        merge_lora(accelerator.unwrap_model(model))
-    timings["total_s"] = time.perf_counter() - t_start
-    teacher_score, converted_score = teacher["metrics"][headline], metrics[headline]
-    results = RunResults(
-        recipe=config.name, method=config.method, task=task.name, model=config.model, headline_metric=headline,
+    fit = None if run.control else head_fit(accelerator.unwrap_model(trained.model), next(iter(eval_loaders.values())),
+                                            device=accelerator.device)
+    if trained.lora is not None:  # the saved model is the plain architecture, adapters folded into its weights
+        merge_lora(accelerator.unwrap_model(trained.model))
+    run.timings["total_s"] = time.perf_counter() - run.started_at
+    headline, stage = run.headline, trained.finetuned
+    teacher_score, converted_score = loaded.teacher["metrics"][headline], metrics[headline]
+    report = converted.report
+    return RunResults(
+        recipe=config.name, method=config.method, task=run.task.name, model=config.model, headline_metric=headline,
         teacher_score=teacher_score, converted_score=converted_score,
         recovered_pct=recovered_pct(converted_score, teacher_score, headline),
-        stage_scores={**stage_scores, "final": converted_score}, head_fit=fit,
-        lora=lora.to_dict() if lora is not None else None, method_recipe=method_recipe,
-        teacher_metrics=teacher["metrics"], converted_metrics=metrics,
+        stage_scores={**run.stage_scores, "final": converted_score}, head_fit=fit,
+        lora=trained.lora.to_dict() if trained.lora is not None else None, method_recipe=run.method_recipe,
+        teacher_metrics=loaded.teacher["metrics"], converted_metrics=metrics,
         eval_examples=counted, truncated_examples=data.truncated, truncated_by_split=data.truncated_by_split,
-        resolved=config.resolved, steps=StepCounts(distill=n_distill, finetune=stage.steps),
-        final_loss=stage.final_loss, timings=Timings(**timings), seed=config.seed,
+        resolved=config.resolved, steps=StepCounts(distill=converted.distill_steps, finetune=stage.steps),
+        final_loss=stage.final_loss, timings=Timings(**run.timings), seed=config.seed,
         num_processes=accelerator.num_processes, device=str(accelerator.device),
         conversion=ConversionSummary(**report.to_dict()) if report else None, config=config.to_dict(),
-        versions=library_versions(), run_dir=str(run_dir),
+        versions=library_versions(), run_dir=str(run.run_dir),
         finished_at=datetime.now().astimezone().isoformat(),  # orders runs in `report`
     )
+
+
+def save_stage(run: Run, trained: Trained, checked: Checked, results: RunResults) -> None:
+    """The model folder, the model card and curves, then results.json last: it is what marks the run finished."""
+    accelerator, run_dir, loaded = run.accelerator, run.run_dir, checked.loaded
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        save(unwrapped, run_dir / MODEL_DIR, tokenizer=loaded.tokenizer, processor=loaded.image_processor,
-             overwrite=True, extra={"image_config": loaded.image_config or None, "task": task.name})
-        # What people look at, then results.json last: it is what marks the run finished.
+        save(accelerator.unwrap_model(trained.model), run_dir / MODEL_DIR, tokenizer=loaded.tokenizer,
+             processor=loaded.image_processor, overwrite=True,
+             extra={"image_config": loaded.image_config or None, "task": run.task.name})
         write_model_card(run_dir, results)
         write_curves(run_dir, run_dir / LOG_FILE, results)
         results.write(run_dir / RESULTS_FILE)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+
+
+def _run_conversion(config: RunConfig | None, resume, console, started: list[Path]) -> RunResults:
+    """The stages in order (``STAGES``)."""
+    run = resolve_stage(config, resume, console)
+    checked = preflight(run.config, run.run_dir, run.accelerator, run.task, run.say)  # nothing written before it passes
+    loaded = load_stage(run, checked, started)
+    converted = convert_stage(run, loaded.model, checked.eval_loaders)
+    distil_stage(run, loaded.model, checked, converted)
+    trained = finetune_stage(run, loaded, checked, converted)
+    results = score_stage(run, trained, checked, loaded, converted)
+    save_stage(run, trained, checked, results)
     return results
 
 
