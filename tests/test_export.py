@@ -144,3 +144,26 @@ def test_jit_trace_is_refused_with_one_sentence(method):
         torch.jit.trace(model, (inputs["input_ids"], inputs["attention_mask"]), strict=False)
     assert TRACING_REFUSED in str(caught.value)
     assert "torch.export" in TRACING_REFUSED and "\n" not in TRACING_REFUSED
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("method", ["luna", "hedgehog", "t2r", "cosformer", "flexformer"])
+def test_torch_export_of_a_layer_matches_eager_in_float32_and_bfloat16(method, dtype):
+    from luna_convert.layers.attention import LinearAttention
+
+    layer = LinearAttention(method, 16, 2, 0.25).to(dtype).eval()
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 2, 12, 16, generator=g).to(dtype) for _ in range(3))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 8:] = False
+    batch, tokens = torch.export.Dim("batch", min=2, max=16), torch.export.Dim("tokens", min=3, max=64)
+    dims = {"q": {0: batch, 2: tokens}, "k": {0: batch, 2: tokens}, "v": {0: batch, 2: tokens},
+            "key_mask": {0: batch, 1: tokens}}
+    with torch.no_grad():
+        program = torch.export.export(layer, (q, k, v, mask), dynamic_shapes=dims, strict=False)
+        q2, k2, v2 = (torch.randn(3, 2, 20, 16, generator=g).to(dtype) for _ in range(3))
+        mask2 = torch.ones(3, 20, dtype=torch.bool)
+        mask2[0, 15:] = False
+        got, want = program.module()(q2, k2, v2, mask2), layer(q2, k2, v2, mask2)
+    scale = want.float().abs().max()
+    assert (got.float() - want.float()).abs().max() <= 4 * torch.finfo(dtype).eps * scale

@@ -35,7 +35,8 @@ def _shift_slices(n: int, s: int) -> tuple[slice, slice] | None:
     """(dst, src) with dst[t] <- src[t + s] for the t where 0 <= t + s < n; None if empty."""
     if abs(s) >= n:
         return None
-    return slice(max(0, -s), min(n, n - s)), slice(max(0, s), min(n, n + s))
+    # no min/max of n: with a symbolic n (torch.export's dynamic lengths) each would add a guard
+    return (slice(0, n - s), slice(s, n)) if s >= 0 else (slice(-s, n), slice(0, n + s))
 
 
 class _DepthwiseConv(torch.autograd.Function):
