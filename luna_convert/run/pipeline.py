@@ -18,7 +18,7 @@ from typing import Any, Callable
 from .autoconfig import needs_resolution, task_for
 from ..conversion import ConversionReport, convert, feature_map_parameters, is_converted
 from ..errors import LunaConvertError, RunInterrupted
-from ..fileio import atomic_write_json, atomic_write_text
+from ..fileio import atomic_write_json, keep_log_entries
 from ..folder_layout import (CONFIG_FILE, CONVERSION_FILE, CURVES_FILE, DISTILLED_DIR, LOG_FILE, MODEL_CARD_FILE,
                              MODEL_DIR, RESULTS_FILE, STAGES_FILE, STATE_FILE, TEACHER_FILE, WEIGHTS_FILE)
 from ..linear_methods.registry import get_method
@@ -130,20 +130,11 @@ def _forget_after_checkpoint(run_dir: Path, finetune_step: int, distilled: bool)
     torn by the kill), and temporary files it left, so the resumed run's folder reads as one run."""
     import shutil
 
+    def before_checkpoint(entry: dict) -> bool:
+        stage = entry.get("stage")
+        return not (stage == "distill" and not distilled or stage == "finetune" and entry.get("step", 0) > finetune_step)
 
-    log_file = run_dir / LOG_FILE
-    if log_file.is_file():
-        kept = []
-        for line in log_file.read_text().splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            stage = entry.get("stage")
-            if stage == "distill" and not distilled or stage == "finetune" and entry.get("step", 0) > finetune_step:
-                continue
-            kept.append(line)
-        atomic_write_text(log_file, "".join(f"{line}\n" for line in kept))
+    keep_log_entries(run_dir / LOG_FILE, before_checkpoint)
     for folder in (run_dir, run_dir / "checkpoints"):
         for tmp in folder.glob(".*.tmp") if folder.is_dir() else ():
             if tmp.is_dir():
