@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED_RECIPES = sorted(p.name for p in (ROOT / "luna_convert" / "recipes").glob("*.yaml"))
+SHIPPED_RECIPES = sorted(p.relative_to(ROOT / "luna_convert" / "recipes").as_posix()
+                         for p in (ROOT / "luna_convert" / "recipes").rglob("*.yaml"))  # lra/ too
 # What never belongs in a build: an old build/ folder would leak stale files into the wheel.
 NOT_SOURCE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "outputs", "__pycache__", ".venv*",
                                     ".pytest_cache", ".hypothesis")
@@ -38,7 +39,8 @@ def test_the_repository_ships_recipes():
 def test_wheel_contains_every_recipe(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "luna_convert/recipes/digits-vit.yaml" in names  # the recipe behind `luna-convert demo`
-    assert sorted(Path(n).name for n in names if n.startswith("luna_convert/recipes/")) == SHIPPED_RECIPES
+    assert sorted(n.removeprefix("luna_convert/recipes/") for n in names
+                  if n.startswith("luna_convert/recipes/") and n.endswith(".yaml")) == SHIPPED_RECIPES
     # the demo's teacher checkpoint
     assert {"luna_convert/builtin_teachers/digits-vit/model.safetensors",
             "luna_convert/builtin_teachers/digits-vit/linear_attention.json"} <= set(names)
@@ -65,4 +67,4 @@ def test_installed_wheel_finds_recipes_and_teacher_from_another_folder(wheel, tm
     assert Path(where).is_relative_to(target)
     assert Path(teacher).is_relative_to(target)  # installed, and its checksums match
     assert "digits-vit" in listed.split()
-    assert listed.split() == [Path(n).stem for n in SHIPPED_RECIPES]
+    assert listed.split() == [Path(n).stem for n in SHIPPED_RECIPES if "/" not in n]  # lra/ recipes: `lra --protocol`
