@@ -12,24 +12,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
-import time
-
 import torch
 
 from luna_convert.layers.attention import LinearAttention
 from luna_convert.ops import native
-
-
-def _median_ms(fn, repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.thread_time()
-        fn()
-        times.append((time.thread_time() - start) * 1e3)
-    return statistics.median(times)
+from thread_timing import median_thread_ms
 
 
 def measure(method: str, tokens: int, repeats: int) -> dict[str, float]:
@@ -51,8 +38,8 @@ def measure(method: str, tokens: int, repeats: int) -> dict[str, float]:
         with scope():
             torch._dynamo.reset()
             f = layer if mode == "eager" else torch.compile(layer, fullgraph=True)
-            row[f"{mode} fwd"] = _median_ms(lambda: forward(f), repeats)
-            row[f"{mode} fwd+bwd"] = _median_ms(lambda: train(f), repeats)
+            row[f"{mode} fwd"] = median_thread_ms(lambda: forward(f), repeats)
+            row[f"{mode} fwd+bwd"] = median_thread_ms(lambda: train(f), repeats)
     return row
 
 

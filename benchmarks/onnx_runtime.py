@@ -11,13 +11,12 @@ the calling thread's CPU time (ONNX Runtime with one intra-op thread runs on it)
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from thread_timing import median_thread_ms
 
 
 def bert_base(max_tokens: int):
@@ -33,13 +32,7 @@ def median_ms(session, tokens: int, repeats: int) -> float:
     feed = {"input_ids": rng.integers(1, 30000, (1, tokens), dtype=np.int64),
             "attention_mask": np.ones((1, tokens), dtype=np.int64),
             "token_type_ids": np.zeros((1, tokens), dtype=np.int64)}
-    session.run(None, feed)
-    times = []
-    for _ in range(repeats):
-        start = time.thread_time()
-        session.run(None, feed)
-        times.append((time.thread_time() - start) * 1e3)
-    return statistics.median(times)
+    return median_thread_ms(lambda: session.run(None, feed), repeats, warmup=1)
 
 
 def main() -> None:

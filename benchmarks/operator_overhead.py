@@ -7,23 +7,17 @@ thread, the calling thread's CPU time, best of 5 runs of 2,000 calls).
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from luna_convert.ops import products
+from thread_timing import median_thread_ms
 
 
 def microseconds_per_call(call, calls: int = 2000) -> float:
+    """Best of 5 runs of ``calls`` calls (the median helper times each run), per call."""
     for _ in range(100):
         call()
-    runs = []
-    for _ in range(5):
-        start = time.thread_time()
-        for _ in range(calls):
-            call()
-        runs.append((time.thread_time() - start) / calls * 1e6)
-    return min(runs)
+    return min(median_thread_ms(lambda: [call() for _ in range(calls)], 1, warmup=0) for _ in range(5)) * 1e3 / calls
 
 
 def main() -> None:

@@ -181,23 +181,23 @@ def export_model(model: nn.Module, output: str | Path, fmt: str = "onnx", length
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
-    return ExportResult(output, fmt, signature.names, "output", {k: list(v.values()) for k, v in
-                                                                 _dynamic_axes(signature).items()},
-                        error, scale, time.perf_counter() - start,
+    dynamic = {name: list(axes.values()) for name, axes in _dynamic_axes(signature).items()}
+    return ExportResult(output, fmt, signature.names, "output", dynamic, error, scale, time.perf_counter() - start,
                         [{n: list(t.shape) for n, t in zip(signature.names, b)} for b in batches])
 
 
-def _export_program(wrapper: nn.Module, example: tuple, signature: _Signature):
-    dims = {}
+def _dynamic_shapes(signature: _Signature, dim=None) -> tuple:
+    """torch.export's ``dynamic_shapes`` for the wrapper's ``*inputs``: each input's dynamic axes, named (ONNX's
+    axis names) or, with ``dim``, all given that ``torch.export.Dim``."""
     axes = _dynamic_axes(signature)
-    for name in signature.names:
-        dims[name] = {axis: torch.export.Dim.DYNAMIC for axis in axes.get(name, {})}
-    return torch.export.export(wrapper, example, dynamic_shapes=(tuple(dims[n] for n in signature.names),),
-                               strict=False)
+    return (tuple({axis: name if dim is None else dim for axis, name in axes.get(n, {}).items()}
+                  for n in signature.names),)
 
 
 def _write_pt2(wrapper: nn.Module, example: tuple, signature: _Signature, path: Path):
-    torch.export.save(_export_program(wrapper, example, signature), str(path))
+    program = torch.export.export(wrapper, example, dynamic_shapes=_dynamic_shapes(signature, torch.export.Dim.DYNAMIC),
+                                  strict=False)
+    torch.export.save(program, str(path))
     module = torch.export.load(str(path)).module()
     return lambda batch: module(*batch)
 
@@ -212,8 +212,7 @@ def _write_onnx(wrapper: nn.Module, example: tuple, signature: _Signature, path:
     with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its progress
         program = torch.onnx.export(wrapper, example, dynamo=True, opset_version=ONNX_OPSET,
                                     input_names=signature.names, output_names=["output"],
-                                    dynamic_shapes=(tuple(_dynamic_axes(signature).get(n, {})
-                                                          for n in signature.names),),
+                                    dynamic_shapes=_dynamic_shapes(signature),
                                     verbose=False)
     program.save(str(path))
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
