@@ -65,7 +65,7 @@ def warn_small_denominators(den: torch.Tensor, keep: torch.Tensor | None, name: 
         rows = small.numel()
     count = int(small.sum())
     if count:
-        warnings.warn(f"{name}: {count / max(rows, 1):.1%} of attention rows ({count} of {rows}) have a "
+        warnings.warn(f"{name}: {100 * count / max(rows, 1):.2g} % of attention rows ({count} of {rows}) have a "
                       f"denominator below {SMALL_DENOMINATOR:g}: the keys' features underflowed under the "
                       "stabiliser (activations too large for this kernel in this precision), so those rows' outputs "
                       "may be off", RuntimeWarning, stacklevel=2)
