@@ -231,8 +231,7 @@ def pytest_configure(config):
 NATIVE_BUILDS = ["this CPU", "AVX2"]
 
 
-def this_cpu_or_avx2(build: str, monkeypatch, module, loader: str, status, source: Path, signatures: dict,
-                     lanes: str):
+def this_cpu_or_avx2(build: str, monkeypatch, module, loader: str, status, source: Path, lanes: str):
     """A native library for tests of both vector widths. ``build`` "this CPU": what ``module.<loader>()`` hands
     out (the test is skipped, saying ``status()``, where there is none). "AVX2": ``source`` built for AVX2 with
     FMA (what a CPU without AVX-512 runs; ``ops.native.build_variant``), its ``lanes()`` checked to be 8, and
@@ -253,7 +252,7 @@ def this_cpu_or_avx2(build: str, monkeypatch, module, loader: str, status, sourc
         pytest.skip("the AVX2 build needs an x86 CPU with AVX2 and FMA")
     if native.compiler() is None:
         pytest.skip("no C compiler")
-    lib = native.build_variant(source, ("-mavx2", "-mfma"), signatures)
+    lib = native.build_variant(source, ("-mavx2", "-mfma"))
     assert getattr(lib, lanes)() == 8
     monkeypatch.setattr(module, loader, lambda: lib)
     return lib
@@ -265,4 +264,4 @@ def exp_rows_library(request, monkeypatch):
     from luna_convert.ops import exp_rows
 
     return this_cpu_or_avx2(request.param, monkeypatch, exp_rows, "library", exp_rows.status, exp_rows.SOURCE,
-                            exp_rows.NATIVE_SIGNATURES, "exp_rows_lanes")
+                            "exp_rows_lanes")

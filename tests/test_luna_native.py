@@ -272,12 +272,46 @@ def test_a_source_that_does_not_compile_gives_a_reason_and_leaves_no_file(c_file
 def test_the_library_is_cached_by_its_source(c_file):
     source, built = c_file("twice.c", "int twice(int x) { return 2 * x; }\n")
     lib = native.load_library(source)
-    assert lib is not None and lib.twice(21) == 42
+    assert lib is not None and lib.twice(x=21) == 42
     assert [p.suffix for p in built.iterdir()] == [".so"]
     c_file("twice.c", "int twice(int x) { return x + x; }\n")
     native.forget()
-    assert native.load_library(source).twice(4) == 8
+    assert native.load_library(source).twice(x=4) == 8
     assert len(list(built.iterdir())) == 2  # a changed source is built anew
+
+
+def test_native_functions_take_the_types_and_names_their_c_definitions_declare(c_file):
+    source, _ = c_file("mixed.c", "#include <stdint.h>\nstatic int hidden(void) { return 1; }\n"
+                                  "void mixed(int64_t big, float scale, const double *in,\n"
+                                  "           double *out, int32_t count) {\n"
+                                  "    for (int32_t i = 0; i < count; i++) out[i] = in[i] * scale + (double)big;\n"
+                                  "}\nfloat half(float x) { return x / 2; }\n")
+    declared = native.declared_functions(source)
+    assert sorted(declared) == ["half", "mixed"]  # static functions are not exported
+    assert declared["mixed"].parameters == ("big", "scale", "in", "out", "count")
+    lib = native.load_library(source)
+    values, out = torch.tensor([1.0, 2.0], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    lib.mixed(**{"in": values.data_ptr()}, out=out.data_ptr(), count=2, scale=0.5, big=2**40)  # any order
+    assert out.tolist() == [2**40 + 0.5, 2**40 + 1.0]  # int64 and float arrive as declared
+    assert lib.half(x=3.0) == 1.5  # the return type too
+    with pytest.raises(TypeError, match=r"missing \['count'\], unknown \['counts'\]; its C parameters are big, scale"):
+        lib.mixed(**{"in": values.data_ptr()}, out=out.data_ptr(), counts=2, scale=0.5, big=1)
+    with pytest.raises(TypeError):
+        lib.half(3.0)  # positional calls are refused: arguments go by their C names
+
+
+def test_a_c_type_without_a_ctypes_type_is_named(c_file):
+    source, _ = c_file("odd.c", "void odd(long double x) { (void)x; }\n")
+    with pytest.raises(TypeError, match="odd.c: odd.*'long double'"):
+        native.declared_functions(source)
+
+
+def test_every_shipped_kernel_declares_its_functions():
+    sources = sorted(Path(luna_native.__file__).parents[1].rglob("*.c"))
+    assert len(sources) == 6
+    declared = {source.name: native.declared_functions(source) for source in sources}
+    assert declared["token_products.c"]["product"].parameters[:4] == ("x", "w", "bias", "c")
+    assert all(len(functions) >= 2 for functions in declared.values())
 
 
 def test_the_build_for_this_cpu_computes_bit_for_bit_what_the_portable_build_does(kernel, tmp_path, monkeypatch):

@@ -45,7 +45,7 @@ def library(request, monkeypatch):
         if maps.library() is None:
             pytest.skip(native.status(maps.SOURCE))
     return this_cpu_or_avx2(request.param, monkeypatch, products, "native_library", products.native_status,
-                            products.NATIVE_SOURCE, products.NATIVE_SIGNATURES, "product_lanes")
+                            products.NATIVE_SOURCE, "product_lanes")
 
 
 def layer_of(form: str, head_dim: int = 16, heads: int = 3, **overrides) -> LinearAttention:

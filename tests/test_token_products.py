@@ -21,7 +21,7 @@ from luna_convert.ops import linear, native, products
 @pytest.fixture(params=NATIVE_BUILDS)
 def library(request, monkeypatch):
     return this_cpu_or_avx2(request.param, monkeypatch, products, "native_library", products.native_status,
-                            products.NATIVE_SOURCE, products.NATIVE_SIGNATURES, "product_lanes")
+                            products.NATIVE_SOURCE, "product_lanes")
 
 
 def reference_transposed(x, y, with_sum):
@@ -180,7 +180,7 @@ def test_a_build_without_vector_code_is_not_used(monkeypatch):
     """x86-64's baseline (SSE2, no FMA): ``product_lanes`` is 0, the status says why, torch.bmm runs."""
     if platform.machine() not in ("x86_64", "AMD64") or native.compiler() is None:
         pytest.skip("needs an x86 CPU and a C compiler")
-    baseline = native.build_variant(products.NATIVE_SOURCE, (), products.NATIVE_SIGNATURES)
+    baseline = native.build_variant(products.NATIVE_SOURCE, ())
     assert baseline.product_lanes() == 0
     monkeypatch.setattr(native, "load_library", lambda *a: baseline)
     assert products.native_library() is None

@@ -16,7 +16,6 @@ cell function (``native_cells``), the one its search uses for the inputs.
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
@@ -31,28 +30,15 @@ MAX_CHANNELS, BLOCK, MAX_ROW = 64, 1024, 8192
 MIN_ROWS_PER_CHUNK = 256
 MAPPINGS = {"linear": 0, "squashed": 1}
 
-_P, _I64, _I32, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_int
-_GRID = [_INT, _F, _F, _I32, _I32, _P, _P]  # mapping, low, scale, cells, most, start, knots by cell
-_SIGNATURES = {
-    "luna_cells": [_P, _I64, _INT, _F, _F, _I32, _P],
-    "luna_channels_forward": [_P, _I64, _I64, _I32, _I32, *_GRID, _P, _P, _F, _P],
-    "luna_channels_backward": [_P, _I64, _I64, _I32, _I32, *_GRID, _P, _P, _F, _P, _P, _P, _P],
-    # x, heads, tokens, its strides (batch, head, token), d, W^T, b, then luna_channels_forward's arguments
-    "luna_channels_forward_projected": [_P, _I64, _I64, _I64, _I64, _I64, _I32, _P, _P,
-                                        _I64, _I64, _I32, _I32, *_GRID, _P, _P, _F, _P],
-    # state, then x's layout as above, W^T and b (NULL: x is u), M, L, the grid, the tables, eps
-    "luna_rows_state": [_P, _P, _I64, _I64, _I64, _I64, _I64, _I32, _P, _P, _I32, _I32, *_GRID, _P, _P, _F],
-}
 
-
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (``ops.native.unavailable_reason(SOURCE)`` says why)."""
-    return native.load_library(SOURCE, _SIGNATURES)
+def library() -> native.NativeFunctions | None:
+    """The compiled kernel's functions, or None (``ops.native.unavailable_reason(SOURCE)`` says why)."""
+    return native.load_library(SOURCE)
 
 
 def status() -> str:
     """"on", or "off: <why>" (what the bench records beside its timings)."""
-    return native.status(SOURCE, _SIGNATURES)
+    return native.status(SOURCE)
 
 
 def fits(projections: int, channels: int) -> bool:
@@ -64,15 +50,17 @@ def native_cells(x: torch.Tensor, mapping: str, low: float, scale: float, cells:
     """The grid cell of every element of x by the kernel's own arithmetic (a ``KnotLocator`` cells_of)."""
     x = x.detach().to(torch.float32).contiguous()
     out = torch.empty(x.shape, dtype=torch.int32)
-    library().luna_cells(x.data_ptr(), x.numel(), MAPPINGS[mapping], low, scale, cells, out.data_ptr())
+    library().luna_cells(x=x.data_ptr(), n=x.numel(), mapping=MAPPINGS[mapping], low=low, scale=scale, cells=cells,
+                         out=out.data_ptr())
     return out
 
 
-def _shared_args(projections: int, slope: torch.Tensor, intercept: torch.Tensor, grid: tuple, eps: float):
-    """The arguments every kernel call takes after the row range: M, L, the grid, the tables, eps."""
+def _shared_args(projections: int, slope: torch.Tensor, intercept: torch.Tensor, grid: tuple, eps: float) -> dict:
+    """The arguments every kernel call takes: M, L, the grid, the tables, eps."""
     mapping, low, scale, cells, start, kpad = grid
-    return [projections, slope.shape[1], MAPPINGS[mapping], low, scale, cells, kpad.shape[0], start.data_ptr(),
-            kpad.data_ptr(), slope.data_ptr(), intercept.data_ptr(), eps]
+    return dict(M=projections, L=slope.shape[1], mapping=MAPPINGS[mapping], low=low, scale=scale, cells=cells,
+                most=kpad.shape[0], start=start.data_ptr(), kpad=kpad.data_ptr(), slope=slope.data_ptr(),
+                intercept=intercept.data_ptr(), eps=eps)
 
 
 class _NativeChannelFeatures(torch.autograd.Function):
@@ -82,7 +70,8 @@ class _NativeChannelFeatures(torch.autograd.Function):
     def forward(ctx, u, slope, intercept, grid, eps, track):
         lib, rows, head = library(), u.numel() // u.shape[-1], _shared_args(u.shape[-1], slope, intercept, grid, eps)
         out = torch.empty(*u.shape, slope.shape[1], dtype=torch.float32)
-        native.run_in_chunks(lambda r0, r1, _: lib.luna_channels_forward(u.data_ptr(), r0, r1, *head, out.data_ptr()),
+        native.run_in_chunks(lambda r0, r1, _: lib.luna_channels_forward(x=u.data_ptr(), r0=r0, r1=r1, **head,
+                                                                           out=out.data_ptr()),
                              rows, native.chunk_count(rows, MIN_ROWS_PER_CHUNK))
         if track:
             ctx.grid, ctx.eps = grid, eps
@@ -100,9 +89,9 @@ class _NativeChannelFeatures(torch.autograd.Function):
         chunks = native.chunk_count(rows, MIN_ROWS_PER_CHUNK)
         # Per-interval sums, one float64 table per chunk (no two threads add into one), summed after.
         sums = torch.zeros(2, chunks, *slope.shape, dtype=torch.float64)
-        head += [grad_out.data_ptr(), grad_u.data_ptr()]
         native.run_in_chunks(lambda r0, r1, i: lib.luna_channels_backward(
-            u.data_ptr(), r0, r1, *head, sums[0, i].data_ptr(), sums[1, i].data_ptr()), rows, chunks)
+            x=u.data_ptr(), r0=r0, r1=r1, **head, grad_out=grad_out.data_ptr(), grad_x=grad_u.data_ptr(),
+            grad_slope=sums[0, i].data_ptr(), grad_intercept=sums[1, i].data_ptr()), rows, chunks)
         grad_slope, grad_intercept = sums.sum(1).to(slope.dtype).unbind(0)
         return grad_u, grad_slope, grad_intercept, None, None, None
 
@@ -130,10 +119,17 @@ def native_projected_channel_features(x: torch.Tensor, weight_t: torch.Tensor, b
     lib, rows, slope, intercept = library(), b * h * n, slope.contiguous(), intercept.contiguous()
     head = _shared_args(weight_t.shape[1], slope, intercept, grid, -1.0 if norm_eps is None else float(norm_eps))
     out = torch.empty(b, h, n, weight_t.shape[1], slope.shape[1], dtype=torch.float32)
-    layout = [x.data_ptr(), h, n, x.stride(0), x.stride(1), x.stride(2), d, weight_t.data_ptr(), bias.data_ptr()]
-    native.run_in_chunks(lambda r0, r1, _: lib.luna_channels_forward_projected(*layout, r0, r1, *head, out.data_ptr()),
+    layout = _layout(x, h, n, d, weight_t, bias)
+    native.run_in_chunks(lambda r0, r1, _: lib.luna_channels_forward_projected(**layout, r0=r0, r1=r1, **head,
+                                                                               out=out.data_ptr()),
                          rows, native.chunk_count(rows, MIN_ROWS_PER_CHUNK))
     return out
+
+
+def _layout(x: torch.Tensor, heads: int, tokens: int, d: int, weight_t: torch.Tensor, bias: torch.Tensor) -> dict:
+    """The projected kernels' first arguments: x where it lies (its strides), W^T and b."""
+    return dict(x=x.data_ptr(), heads=heads, tokens=tokens, stride_b=x.stride(0), stride_h=x.stride(1),
+                stride_n=x.stride(2), d=d, wt=weight_t.data_ptr(), bias=bias.data_ptr())
 
 
 def native_feature_rows(x: torch.Tensor, weight_t: torch.Tensor | None, bias: torch.Tensor | None, slope: torch.Tensor,
@@ -145,13 +141,13 @@ def native_feature_rows(x: torch.Tensor, weight_t: torch.Tensor | None, bias: to
     b, h, n, d = x.shape
     if weight_t is None:
         x = x.contiguous()  # the kernel reads u as [B H N, M]
-        projections, layout = d, [x.data_ptr(), h, n, 0, 0, 0, d, None, None]
+        projections, layout = d, dict(x=x.data_ptr(), heads=h, tokens=n, stride_b=0, stride_h=0, stride_n=0, d=d,
+                                      wt=None, bias=None)
     else:
         if x.stride(-1) != 1:
             x = x.contiguous()
-        projections = weight_t.shape[1]
-        layout = [x.data_ptr(), h, n, x.stride(0), x.stride(1), x.stride(2), d, weight_t.data_ptr(), bias.data_ptr()]
+        projections, layout = weight_t.shape[1], _layout(x, h, n, d, weight_t, bias)
     slope, intercept = slope.contiguous(), intercept.contiguous()
     head = _shared_args(projections, slope, intercept, grid, -1.0 if norm_eps is None else float(norm_eps))
     return ProducedRows.made_by(library(), "luna_rows", (b, h, n, projections * slope.shape[1]),
-                                (x, weight_t, bias, slope, intercept, *grid), *layout, *head)
+                                (x, weight_t, bias, slope, intercept, *grid), **layout, **head)

@@ -27,20 +27,16 @@ from ..ops import native
 SOURCE = Path(__file__).with_name("sorting_sums.c")
 # (batch, head) rows per thread chunk at the least: one row at 512 tokens is already ~1 ms of work.
 MIN_ROWS_PER_CHUNK = 1
-_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-_INPUTS = [_P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I32]  # x .. matern
-_SIGNATURES = {"sorting_attention_forward": [*_INPUTS, _F, _I64, _I64, _P, _P, _P],
-               "sorting_attention_backward": [*_INPUTS, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P]}
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (``ops.native.unavailable_reason(SOURCE)`` says why)."""
-    return native.load_library(SOURCE, _SIGNATURES)
+def library() -> native.NativeFunctions | None:
+    """The compiled kernel's functions, or None (``ops.native.unavailable_reason(SOURCE)`` says why)."""
+    return native.load_library(SOURCE)
 
 
 def status() -> str:
     """"on", or "off: <why>" (what the bench records beside its timings)."""
-    return native.status(SOURCE, _SIGNATURES)
+    return native.status(SOURCE)
 
 
 def applies(*tensors: torch.Tensor) -> bool:
@@ -69,11 +65,13 @@ def _inputs(x, y, v, key_mask, w, c0):
             c0.contiguous())
 
 
-def _shared_args(x, y, v, keep, w, c0, matern) -> list:
-    """The arguments both passes take first (``_INPUTS``)."""
+def _shared_args(x, y, v, keep, w, c0, matern) -> dict:
+    """The arguments both passes take: the inputs, their sizes and the kernel's form."""
     _, heads, projections, nq = x.shape
-    return [x.data_ptr(), y.data_ptr(), v.data_ptr(), *v.stride()[:3], 0 if keep is None else keep.data_ptr(),
-            w.data_ptr(), c0.data_ptr(), heads, projections, nq, y.shape[-1], v.shape[-1], int(matern)]
+    return dict(x=x.data_ptr(), y=y.data_ptr(), v=v.data_ptr(), v_batch_stride=v.stride(0), v_head_stride=v.stride(1),
+                v_token_stride=v.stride(2), keep=0 if keep is None else keep.data_ptr(), w=w.data_ptr(),
+                c0=c0.data_ptr(), heads=heads, projections=projections, nq=nq, n=y.shape[-1], values=v.shape[-1],
+                matern=int(matern))
 
 
 def _run(pass_name: str, rows: int, call) -> None:
@@ -93,7 +91,7 @@ def _forward(x, y, v, keep, w, c0, matern, eps, keep_denominators: bool):
     den = torch.empty(b, heads, nq, dtype=torch.float32) if keep_denominators else None
     args, lib = _shared_args(x, y, v, keep, w, c0, matern), library()
     _run("forward", b * heads, lambda r0, r1, failed: lib.sorting_attention_forward(
-        *args, eps, r0, r1, out.data_ptr(), 0 if den is None else den.data_ptr(), failed))
+        **args, eps=eps, row0=r0, row1=r1, out=out.data_ptr(), den=0 if den is None else den.data_ptr(), failed=failed))
     return out, den
 
 
@@ -120,6 +118,7 @@ class _NativeSortingAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         args, lib = _shared_args(x, y, v, keep, w, c0, ctx.matern), library()
         _run("backward", b * heads, lambda r0, r1, failed: lib.sorting_attention_backward(
-            *args, grad_out.data_ptr(), out.data_ptr(), den.data_ptr(), r0, r1, grad_x.data_ptr(),
-            grad_y.data_ptr(), grad_v.data_ptr(), grad_w.data_ptr(), grad_c0.data_ptr(), failed))
+            **args, grad_out=grad_out.data_ptr(), out=out.data_ptr(), den=den.data_ptr(), row0=r0, row1=r1,
+            grad_x=grad_x.data_ptr(), grad_y=grad_y.data_ptr(), grad_v=grad_v.data_ptr(), grad_w=grad_w.data_ptr(),
+            grad_c0=grad_c0.data_ptr(), failed=failed))
         return grad_x, grad_y, grad_v, None, grad_w.sum(0), grad_c0.sum(0), None, None

@@ -7,7 +7,6 @@ native pass (``dwc_tokens.c``) where no gradient is recorded, else with ``depthw
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import math
 from pathlib import Path
@@ -21,11 +20,6 @@ NATIVE_SOURCE = Path(__file__).with_name("dwc_tokens.c")
 NATIVE_MAX_CHANNELS = 4096  # MAX_C of dwc_tokens.c
 # Floats of work per thread chunk at the least: below that a hand-off costs more than the pass.
 NATIVE_MIN_CHUNK = 1 << 16
-_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-_NATIVE_SIGNATURES = {"dwc_tokens_forward": [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-                                               _P, _I32, _I32, _P, _P, _P, _I32, _F, _P],
-                      "dwc_tokens_backward": [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-                                              _P, _I32, _I32, _P, _P, _P, _P, _P]}
 
 # Depthwise conv backward: bytes of each per-tap product for the weight gradient.
 DWC_CHUNK_BYTES = 1 << 20
@@ -115,14 +109,14 @@ def depthwise_conv_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return _DepthwiseConv.apply(x, weight, bias, ndim)
 
 
-def native_library() -> ctypes.CDLL | None:
-    """The compiled ``dwc_tokens.c``, or None (``ops.native.unavailable_reason(NATIVE_SOURCE)`` says why)."""
-    return native.load_library(NATIVE_SOURCE, _NATIVE_SIGNATURES)
+def native_library() -> native.NativeFunctions | None:
+    """The compiled ``dwc_tokens.c``'s functions, or None (``ops.native.unavailable_reason(NATIVE_SOURCE)`` says why)."""
+    return native.load_library(NATIVE_SOURCE)
 
 
 def native_status() -> str:
     """"on", or "off: <why>" (what the bench records beside its timings)."""
-    return native.status(NATIVE_SOURCE, _NATIVE_SIGNATURES)
+    return native.status(NATIVE_SOURCE)
 
 
 @native.constant_in_graphs
@@ -162,10 +156,11 @@ def _native_pass(x, weight, bias, addend, keep, divide, layout) -> torch.Tensor:
     lib, rows = native_library(), b * n  # a thread's rows: tokens, all heads of each
     mode, eps = (0, 0.0) if divide is None else (2 if divide[1] else 1, float(divide[0]))
     prefix, grid_h, grid_w, kh, kw = layout
-    args = [h, n, c, *x.stride()[:3], prefix, grid_h, grid_w, taps.data_ptr(), kh, kw,
-            0 if bias is None else bias.data_ptr(), 0 if keep is None else keep.data_ptr(), addend.data_ptr(),
-            mode, eps, out.data_ptr()]
-    native.run_in_chunks(lambda r0, r1, _: lib.dwc_tokens_forward(x.data_ptr(), r0, r1, *args), rows,
+    args = dict(heads=h, n=n, channels=c, sb=x.stride(0), sh=x.stride(1), sn=x.stride(2), prefix=prefix,
+                grid_h=grid_h, grid_w=grid_w, w=taps.data_ptr(), kh=kh, kw=kw,
+                bias=0 if bias is None else bias.data_ptr(), keep=0 if keep is None else keep.data_ptr(),
+                addend=addend.data_ptr(), divide=mode, eps=eps, out=out.data_ptr())
+    native.run_in_chunks(lambda r0, r1, _: lib.dwc_tokens_forward(x=x.data_ptr(), r0=r0, r1=r1, **args), rows,
                          _token_chunks(rows, h, c))
     return out.transpose(1, 2)
 
@@ -182,10 +177,11 @@ def _native_backward(x, weight, keep, layout, has_bias: bool, grad):
     # Per chunk double sums (no two threads add into one), added up after.
     sums_w = torch.zeros(chunks, kh * kw, c, dtype=torch.float64)
     sums_b = torch.zeros(chunks, c, dtype=torch.float64)
-    args = [h, n, c, *x.stride()[:3], prefix, grid_h, grid_w, taps.data_ptr(), kh, kw,
-            0 if keep is None else keep.data_ptr(), grad_tokens.data_ptr(), grad_x.data_ptr()]
+    args = dict(heads=h, n=n, channels=c, sb=x.stride(0), sh=x.stride(1), sn=x.stride(2), prefix=prefix,
+                grid_h=grid_h, grid_w=grid_w, w=taps.data_ptr(), kh=kh, kw=kw, keep=0 if keep is None else keep.data_ptr(),
+                grad_out=grad_tokens.data_ptr(), grad_x=grad_x.data_ptr())
     native.run_in_chunks(lambda r0, r1, i: native_library().dwc_tokens_backward(
-        x.data_ptr(), r0, r1, *args, sums_w[i].data_ptr(), sums_b[i].data_ptr()), rows, chunks)
+        x=x.data_ptr(), r0=r0, r1=r1, **args, grad_w=sums_w[i].data_ptr(), grad_b=sums_b[i].data_ptr()), rows, chunks)
     grad_w = sums_w.sum(0).t().reshape(weight.shape).to(weight.dtype)
     grad_b = sums_b.sum(0).to(weight.dtype) if has_bias else None
     return grad_x.transpose(1, 2), grad_w, grad_b

@@ -27,27 +27,13 @@ from .products import ProducedRows
 SOURCE = Path(__file__).with_name("exp_rows.c")
 # Rows per thread chunk at the least: below that a hand-off costs more than the work.
 MIN_ROWS_PER_CHUNK = 256
-_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-NATIVE_SIGNATURES = {"softmax_pair_forward": [_P, _I64, _I64, _I32, _P],
-                     "softmax_pair_backward": [_P, _P, _I64, _I64, _I32, _P],
-                     "exp_minus_row_max": [_P, _I64, _I64, _I64, _F],
-                     "exp_minus_shift": [_P, _I64, _I64, _I64, _P, _I64],
-                     "softmax_pair_rows_state": [_P, _P, _P, _I32],  # state, the logits' maker and its state, d
-                     "exp_minus_max_rows_state": [_P, _P, _P, _I64, _F],  # the same, then width and offset
-                     # state, the logits' maker and its state, x, heads, x's strides (batch, head, token), d, width,
-                     # the norm's scale, the offset, the key mask and its batch stride, the shifts
-                     "positive_key_rows_state": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _F, _P, _I64,
-                                                 _P],
-                     "positive_key_shift": [_P, _I64, _I64, _I64, _P],  # state, b0, b1, N, the shifts
-                     # state, x, heads, x's strides (batch, head, token), w, kind, trig table, its batch stride
-                     "pointwise_rows_state": [_P, _P, _I64, _I64, _I64, _I64, _I32, _I32, _P, _I64]}
 # pointwise_rows' kinds (exp_rows.c's enum)
 POINTWISE_KINDS = {"relu": 0, "elu": 1, "cosformer": 2}
 
 
-def library() -> ctypes.CDLL | None:
+def library() -> native.NativeFunctions | None:
     """The compiled kernels, or None (``ops.native.unavailable_reason(SOURCE)`` says why)."""
-    return native.load_library(SOURCE, NATIVE_SIGNATURES)
+    return native.load_library(SOURCE)
 
 
 def rows_apply(*tensors: torch.Tensor) -> bool:
@@ -58,7 +44,7 @@ def rows_apply(*tensors: torch.Tensor) -> bool:
 
 def status() -> str:
     """"on", or "off: <why>" (what the bench and ``luna-convert methods --details`` show)."""
-    return native.status(SOURCE, NATIVE_SIGNATURES)
+    return native.status(SOURCE)
 
 
 def lanes() -> int:
@@ -87,7 +73,7 @@ def softmax_pair(z: torch.Tensor) -> torch.Tensor:
         return softmax_pair_reference(z)
     out = torch.empty(*z.shape[:-1], 2 * d, dtype=torch.float32)  # not the default dtype: C writes floats
     lib = library()
-    _over_rows(lambda r0, r1: lib.softmax_pair_forward(z.data_ptr(), r0, r1, d, out.data_ptr()), z.numel() // d)
+    _over_rows(lambda r0, r1: lib.softmax_pair_forward(z=z.data_ptr(), r0=r0, r1=r1, d=d, y=out.data_ptr()), z.numel() // d)
     return out
 
 
@@ -98,15 +84,15 @@ def softmax_pair_rows(logits: ProducedRows) -> ProducedRows:
     ``lanes()`` first."""
     d = logits.shape[-1]
     return ProducedRows.made_by(library(), "softmax_pair_rows", (*logits.shape[:-1], 2 * d), (logits,),
-                                logits.function, ctypes.addressof(logits.state), d)
+                                logits=logits.function, logits_state=ctypes.addressof(logits.state), d=d)
 
 
 def exp_minus_row_max_rows(logits: ProducedRows, offset: float = 0.0) -> ProducedRows:
     """``exp_minus_row_max_`` of the logits that ``logits`` makes, itself made a block of tokens at a time inside the
     core's products (Performer's and Flexformer's query features): the same values to the bit as that function
     on the stored logits. Native only: check ``library()`` first."""
-    return ProducedRows.made_by(library(), "exp_minus_max_rows", logits.shape, (logits,), logits.function,
-                                ctypes.addressof(logits.state), logits.shape[-1], offset)
+    return ProducedRows.made_by(library(), "exp_minus_max_rows", logits.shape, (logits,), logits=logits.function,
+                                logits_state=ctypes.addressof(logits.state), width=logits.shape[-1], offset=offset)
 
 
 def positive_key_rows(logits: ProducedRows, x: torch.Tensor, norm_scale: float, offset: float,
@@ -126,11 +112,14 @@ def positive_key_rows(logits: ProducedRows, x: torch.Tensor, norm_scale: float, 
     if mask is not None:
         mask = mask.to(torch.uint8).contiguous()  # [B, N], one byte a key
         keep, mask_pointer = (*keep, mask), mask.data_ptr()
-    rows = ProducedRows.made_by(library(), "positive_key_rows", (b, h, n, width), keep, logits.function,
-                                ctypes.addressof(logits.state), x.data_ptr(), h, x.stride(0), x.stride(1), x.stride(2),
-                                d, width, norm_scale, offset, mask_pointer, n, shift.data_ptr())
+    rows = ProducedRows.made_by(library(), "positive_key_rows", (b, h, n, width), keep, logits=logits.function,
+                                logits_state=ctypes.addressof(logits.state), x=x.data_ptr(), heads=h,
+                                stride_b=x.stride(0), stride_h=x.stride(1), stride_n=x.stride(2), depth=d, width=width,
+                                norm_scale=norm_scale, offset=offset, mask=mask_pointer, mask_stride_b=n,
+                                shift=shift.data_ptr())
     lib, state = library(), ctypes.addressof(rows.state)
-    native.run_in_chunks(lambda b0, b1, _: lib.positive_key_shift(state, b0, b1, n, shift.data_ptr()), b * h,
+    native.run_in_chunks(lambda b0, b1, _: lib.positive_key_shift(s=state, b0=b0, b1=b1, n=n, shift=shift.data_ptr()),
+                         b * h,
                          native.chunk_count(b * h, 1))
     return rows
 
@@ -153,8 +142,9 @@ def pointwise_feature_rows(x: torch.Tensor, kind: str, trig: torch.Tensor | None
         trig = trig.contiguous()
         keep, trig_pointer, trig_stride = (x, trig), trig.data_ptr(), (2 * n if trig.shape[0] > 1 else 0)
     shape = (b, h, n, 2 * width if kind == "cosformer" else width)
-    return ProducedRows.made_by(library(), "pointwise_rows", shape, keep, x.data_ptr(), h, x.stride(0), x.stride(1),
-                                x.stride(2), width, POINTWISE_KINDS[kind], trig_pointer, trig_stride)
+    return ProducedRows.made_by(library(), "pointwise_rows", shape, keep, x=x.data_ptr(), heads=h, stride_b=x.stride(0),
+                                stride_h=x.stride(1), stride_n=x.stride(2), width=width, kind=POINTWISE_KINDS[kind],
+                                trig=trig_pointer, trig_stride_b=trig_stride)
 
 
 def softmax_pair_reference(z: torch.Tensor) -> torch.Tensor:
@@ -169,8 +159,8 @@ def softmax_pair_backward(features: torch.Tensor, grad: torch.Tensor) -> torch.T
         return softmax_pair_backward_reference(features, grad)
     grad_z = torch.empty(*features.shape[:-1], d, dtype=torch.float32)
     lib = library()
-    _over_rows(lambda r0, r1: lib.softmax_pair_backward(features.data_ptr(), grad.data_ptr(), r0, r1, d,
-                                                        grad_z.data_ptr()), grad_z.numel() // d)
+    _over_rows(lambda r0, r1: lib.softmax_pair_backward(y=features.data_ptr(), g=grad.data_ptr(), r0=r0, r1=r1, d=d,
+                                                        gz=grad_z.data_ptr()), grad_z.numel() // d)
     return grad_z
 
 
@@ -185,7 +175,7 @@ def exp_minus_row_max_(x: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
     if not applies(x):
         return exp_minus_row_max_reference_(x, offset)
     width, lib = x.shape[-1], library()
-    _over_rows(lambda r0, r1: lib.exp_minus_row_max(x.data_ptr(), r0, r1, width, offset), x.numel() // max(width, 1))
+    _over_rows(lambda r0, r1: lib.exp_minus_row_max(x=x.data_ptr(), r0=r0, r1=r1, width=width, offset=offset), x.numel() // max(width, 1))
     return x
 
 
@@ -201,7 +191,8 @@ def exp_minus_shift_(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         return exp_minus_shift_reference_(x, shift)
     groups, rows, width = x.shape
     lib = library()
-    _over_rows(lambda r0, r1: lib.exp_minus_shift(x.data_ptr(), r0, r1, width, shift.data_ptr(), rows), groups * rows)
+    _over_rows(lambda r0, r1: lib.exp_minus_shift(x=x.data_ptr(), r0=r0, r1=r1, width=width, shift=shift.data_ptr(),
+                                                  rows_per_shift=rows), groups * rows)
     return x
 
 

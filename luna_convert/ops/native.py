@@ -28,11 +28,14 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Callable
 
@@ -53,11 +56,110 @@ CHUNKS_PER_THREAD = 4
 
 log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
-_LIBRARIES: dict[Path, ctypes.CDLL | None] = {}
+_LIBRARIES: dict[Path, "NativeFunctions | None"] = {}
 _REASONS: dict[Path, str] = {}
-_SIGNED: set[Path] = set()  # sources whose loaded library has its argument types set
 _POOL: ThreadPoolExecutor | None = None
 _POOL_KEY: tuple[int, int] = (0, 0)  # (process, threads) the pool was made for: a forked child makes its own
+
+
+# One declaration per native function: its C definition. The ctypes argument types and the names Python
+# calls it with are read from the source, so they cannot drift from it, and a call that names its arguments
+# cannot swap two integers silently (positional ctypes calls with hand-written type lists could).
+_C_TYPES = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "int": ctypes.c_int32, "float": ctypes.c_float,
+            "double": ctypes.c_double}
+_POINTER_TYPEDEFS = {"produce_rows"}  # function-pointer typedefs of the sources
+# An exported function definition (not static, nor behind a macro such as ALWAYS_INLINE that makes it
+# static): return type, name, parameters, then the body's brace.
+_DEFINITION = re.compile(r"^(?!static\b|typedef\b|#|[A-Z_]+\s)([A-Za-z_][\w \t]*?[\s*])(\w+)\(([^)]*)\)\s*\{", re.M)
+
+
+@dataclass(frozen=True)
+class CDeclaration:
+    """A C function as its definition declares it: parameter names, their ctypes types, the return type."""
+
+    name: str
+    parameters: tuple[str, ...]
+    argtypes: tuple
+    restype: object
+
+
+def _c_type(text: str, where: str):
+    """The ctypes type of a C type as written (pointers of any kind: an address)."""
+    words = text.replace("const", " ").replace("*", " * ").split()
+    if "*" in words or (words and words[-1] in _POINTER_TYPEDEFS):
+        return ctypes.c_void_p
+    if words == ["void"]:
+        return None
+    if len(words) != 1 or words[0] not in _C_TYPES:
+        raise TypeError(f"{where}: C type {text.strip()!r} has no ctypes type here (ops/native.py _C_TYPES)")
+    return _C_TYPES[words[0]]
+
+
+def declared_functions(source: Path) -> dict[str, CDeclaration]:
+    """Every exported function that the C file ``source`` defines, read from its definitions."""
+    return _declarations_in(source.read_text(), source.name)
+
+
+@cache
+def _declarations_in(text: str, file_name: str) -> dict[str, CDeclaration]:
+    declarations = {}
+    for match in _DEFINITION.finditer(text):
+        returns, name, parameter_text = match.groups()
+        where = f"{file_name}: {name}"
+        names, types = [], []
+        for parameter in (p.strip() for p in parameter_text.split(",")):
+            if parameter in ("", "void"):
+                continue
+            split = re.match(r"(.*?)(\w+)$", parameter, re.S)
+            names.append(split.group(2))
+            types.append(_c_type(split.group(1), f"{where}({parameter})"))
+        declarations[name] = CDeclaration(name, tuple(names), tuple(types), _c_type(returns, where))
+    return declarations
+
+
+def _declare(lib: ctypes.CDLL, source: Path) -> "NativeFunctions":
+    """``lib``'s exported functions, their argument and return types set from ``source``'s definitions."""
+    declarations = declared_functions(source)
+    for declaration in declarations.values():
+        function = getattr(lib, declaration.name)
+        function.argtypes, function.restype = list(declaration.argtypes), declaration.restype
+    return NativeFunctions(lib, declarations)
+
+
+class NativeFunction:
+    """One C function of a loaded library, called with its C parameter names as keywords."""
+
+    def __init__(self, handle, declaration: CDeclaration):
+        self._handle, self.declaration = handle, declaration
+
+    def __call__(self, **arguments):
+        declared = self.declaration.parameters
+        if len(arguments) != len(declared) or not all(name in arguments for name in declared):
+            missing = [name for name in declared if name not in arguments]
+            unknown = [name for name in arguments if name not in declared]
+            raise TypeError(f"{self.declaration.name}(): missing {missing}, unknown {unknown}; its C parameters "
+                            f"are {', '.join(declared)}")
+        return self._handle(*[arguments[name] for name in declared])
+
+    @property
+    def address(self) -> int:
+        """The function's address (what the products take as a row maker)."""
+        return ctypes.cast(self._handle, ctypes.c_void_p).value
+
+
+class NativeFunctions:
+    """A loaded library's exported functions, by name, each called with its C parameter names as keywords:
+    ``load_library(source).product(x=..., w=..., ...)``."""
+
+    def __init__(self, lib: ctypes.CDLL, declarations: dict[str, CDeclaration]):
+        self._lib = lib  # kept loaded as long as its functions are reachable
+        self._functions = {name: NativeFunction(getattr(lib, name), d) for name, d in declarations.items()}
+
+    def __getattr__(self, name: str) -> NativeFunction:
+        try:
+            return self._functions[name]
+        except KeyError:
+            raise AttributeError(f"no exported C function {name!r}") from None
 
 
 def constant_in_graphs(fn: Callable) -> Callable:
@@ -149,10 +251,10 @@ def _build(source: Path, cc: str, flags: tuple[str, ...], cpu: str) -> Path:
     return target
 
 
-def load_library(source: Path, signatures: dict[str, list] | None = None) -> ctypes.CDLL | None:
-    """The compiled library of the C file ``source`` (built once per machine, cached), or None when native
-    kernels are off or it cannot be built here (``unavailable_reason`` says why). ``signatures``: argument
-    types of its functions (name -> ctypes types; they return nothing), set once per loaded library."""
+def load_library(source: Path) -> "NativeFunctions | None":
+    """The exported functions of the C file ``source``'s compiled library (built once per machine, cached), or
+    None when native kernels are off or it cannot be built here (``unavailable_reason`` says why). Each takes
+    its arguments by the names and types its C definition declares (``declared_functions``)."""
     if disabled():
         return None
     with _LOCK:
@@ -162,34 +264,26 @@ def load_library(source: Path, signatures: dict[str, list] | None = None) -> cty
             try:
                 if cc is None:
                     raise OSError("no C compiler (set CC, or install cc, gcc or clang)")
-                _LIBRARIES[source] = ctypes.CDLL(str(_compile(source, cc)))
+                _LIBRARIES[source] = _declare(ctypes.CDLL(str(_compile(source, cc))), source)
             except (OSError, subprocess.SubprocessError) as error:
                 _REASONS[source] = f"{source.name} not built: {_first_error(error)}"
                 log.info("native kernel off, the PyTorch path is used: %s", _REASONS[source])
-        lib = _LIBRARIES[source]
-        if lib is not None and signatures and source not in _SIGNED:
-            for name, argtypes in signatures.items():
-                getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
-            _SIGNED.add(source)
-        return lib
+        return _LIBRARIES[source]
 
 
-def build_variant(source: Path, flags: tuple[str, ...], signatures: dict[str, list] | None = None) -> ctypes.CDLL:
+def build_variant(source: Path, flags: tuple[str, ...]) -> "NativeFunctions":
     """``source`` built with FLAGS and ``flags`` instead of TUNED_FLAGS (cached as ``load_library``'s builds are),
     loaded apart from the library that ``load_library`` hands out: for tests of the code that another CPU
     would run, e.g. ``("-mavx2", "-mfma")`` on an AVX-512 machine. Raises where it cannot be built."""
     cc = compiler()
     if cc is None:
         raise OSError("no C compiler (set CC, or install cc, gcc or clang)")
-    lib = ctypes.CDLL(str(_build(source, cc, FLAGS + tuple(flags), "")))
-    for name, argtypes in (signatures or {}).items():
-        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
-    return lib
+    return _declare(ctypes.CDLL(str(_build(source, cc, FLAGS + tuple(flags), ""))), source)
 
 
-def status(source: Path, signatures: dict[str, list] | None = None) -> str:
+def status(source: Path) -> str:
     """"on" if ``source``'s library loads, else "off: <why>" (what the bench and the CLI show)."""
-    return "on" if load_library(source, signatures) is not None else f"off: {unavailable_reason(source)}"
+    return "on" if load_library(source) is not None else f"off: {unavailable_reason(source)}"
 
 
 def _first_error(error: Exception) -> str:
@@ -245,4 +339,3 @@ def forget() -> None:
     with _LOCK:
         _LIBRARIES.clear()
         _REASONS.clear()
-        _SIGNED.clear()

@@ -19,18 +19,11 @@ from . import native, products
 from .products import ProducedRows
 
 SOURCE = Path(__file__).with_name("pair_rows.c")
-_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-_SIGNATURES = {
-    # state, x, heads, x's strides (batch, head, token), w, constant, linear, the linear, square and pair scales,
-    # and where x is NULL, its maker and the maker's state
-    "pair_rows_state": [_P, _P, _I64, _I64, _I64, _I64, _I32, _I32, _I32, _F, _F, _F, _P, _P],
-    "factor_product_rows_state": [_P, _P, _P, _I32, _I32, _F],  # state, the source's maker and state, factors, w, scale
-}
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled source, or None (``ops.native.unavailable_reason(SOURCE)`` says why)."""
-    return native.load_library(SOURCE, _SIGNATURES)
+def library() -> native.NativeFunctions | None:
+    """The compiled source's functions, or None (``ops.native.unavailable_reason(SOURCE)`` says why)."""
+    return native.load_library(SOURCE)
 
 
 def rows_apply(*tensors: torch.Tensor) -> bool:
@@ -52,14 +45,15 @@ def pair_feature_rows(x: torch.Tensor | ProducedRows, square_scale: float, pair_
     b, h, n, width = x.shape
     linear = linear_scale is not None
     shape = (b, h, n, pair_feature_count(width, constant, linear))
-    scales = (int(constant), int(linear), linear_scale if linear else 0.0, square_scale, pair_scale)
+    terms = dict(heads=h, width=width, constant=int(constant), linear=int(linear),
+                 linear_scale=linear_scale if linear else 0.0, square_scale=square_scale, pair_scale=pair_scale)
     if isinstance(x, ProducedRows):
-        return ProducedRows.made_by(library(), "pair_rows", shape, (x,), None, h, 0, 0, 0, width, *scales, x.function,
-                                    ctypes.addressof(x.state))
+        return ProducedRows.made_by(library(), "pair_rows", shape, (x,), x=None, stride_b=0, stride_h=0, stride_n=0,
+                                    source=x.function, source_state=ctypes.addressof(x.state), **terms)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return ProducedRows.made_by(library(), "pair_rows", shape, (x,), x.data_ptr(), h, x.stride(0), x.stride(1),
-                                x.stride(2), width, *scales, None, None)
+    return ProducedRows.made_by(library(), "pair_rows", shape, (x,), x=x.data_ptr(), stride_b=x.stride(0),
+                                stride_h=x.stride(1), stride_n=x.stride(2), source=None, source_state=None, **terms)
 
 
 def factor_product_rows(z: ProducedRows, factors: int, scale: float) -> ProducedRows:
@@ -69,5 +63,5 @@ def factor_product_rows(z: ProducedRows, factors: int, scale: float) -> Produced
     width = z.shape[-1] // factors
     if width * factors != z.shape[-1]:
         raise ValueError(f"{z.shape[-1]} columns do not split into {factors} factors")
-    return ProducedRows.made_by(library(), "factor_product_rows", (*z.shape[:-1], width), (z,), z.function,
-                                ctypes.addressof(z.state), factors, width, scale)
+    return ProducedRows.made_by(library(), "factor_product_rows", (*z.shape[:-1], width), (z,), source=z.function,
+                                source_state=ctypes.addressof(z.state), factors=factors, width=width, scale=scale)

@@ -25,24 +25,14 @@ import torch
 from . import native
 
 NATIVE_SOURCE = Path(__file__).with_name("token_products.c")
-_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _LAYOUT = ctypes.c_int64 * 3  # an operand's strides in floats: outer batch axis, inner batch axis, rows
-NATIVE_SIGNATURES = {
-    "transposed_product": [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I32, _LAYOUT, _LAYOUT, _LAYOUT],
-    "product": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _LAYOUT, _LAYOUT, _LAYOUT, _LAYOUT],
-    # the same with x made by a function instead of read (ProducedRows): function, state, then as above less x's
-    "produced_transposed_product": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I32, _LAYOUT, _LAYOUT],
-    "produced_product": [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _LAYOUT, _LAYOUT],
-    # state, x, heads, x's strides (batch, head, token), d, D, W^T, b, their strides per head, relu
-    "affine_rows_state": [_P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I32],
-}
 # Multiply-adds per thread chunk at the least: below that a hand-off costs more than the work.
 NATIVE_MIN_CHUNK = 1 << 18
 
 
-def native_library() -> ctypes.CDLL | None:
-    """The compiled ``token_products.c`` if it has vector code for this CPU, else None."""
-    lib = native.load_library(NATIVE_SOURCE, NATIVE_SIGNATURES)
+def native_library() -> native.NativeFunctions | None:
+    """The compiled ``token_products.c``'s functions if it has vector code for this CPU, else None."""
+    lib = native.load_library(NATIVE_SOURCE)
     return lib if lib is not None and lib.product_lanes() > 0 else None
 
 
@@ -55,7 +45,7 @@ def native_available() -> bool:
 
 def native_status() -> str:
     """"on", or "off: <why>" (what the bench records beside its timings)."""
-    status = native.status(NATIVE_SOURCE, NATIVE_SIGNATURES)
+    status = native.status(NATIVE_SOURCE)
     if status == "on" and native_library() is None:
         return "off: no AVX2 with FMA or AVX-512 on this CPU"
     return status
@@ -123,8 +113,9 @@ def _native_transposed_product(x: torch.Tensor, y: torch.Tensor, with_sum: bool)
     columns, inner = y.shape[-1], x.shape[-3]
     out = torch.empty(*lead, depth, columns + with_sum, dtype=torch.float32)  # not the default dtype: C writes floats
     lib, layouts = native_library(), (_layout(x), _layout(y), _layout(out))
-    _run(lambda b0, b1: lib.transposed_product(x.data_ptr(), y.data_ptr(), out.data_ptr(), b0, b1, inner, n, depth,
-                                               columns, int(with_sum), *layouts),
+    _run(lambda b0, b1: lib.transposed_product(x=x.data_ptr(), y=y.data_ptr(), c=out.data_ptr(), b0=b0, b1=b1,
+                                               inner=inner, n=n, depth=depth, columns=columns, with_sum=int(with_sum),
+                                               sx=layouts[0], sy=layouts[1], sc=layouts[2]),
          math.prod(lead), n * depth * columns)
     return out
 
@@ -159,8 +150,9 @@ def _native_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None)
     lib = native_library()
     layouts = (_layout(x), _layout(w), _layout(bias) if bias is not None else _LAYOUT(0, 0, 0), _layout(out))
     bias_pointer = 0 if bias is None else bias.data_ptr()
-    _run(lambda b0, b1: lib.product(x.data_ptr(), w.data_ptr(), bias_pointer, out.data_ptr(), b0, b1, inner, n, depth,
-                                    columns, *layouts),
+    _run(lambda b0, b1: lib.product(x=x.data_ptr(), w=w.data_ptr(), bias=bias_pointer, c=out.data_ptr(), b0=b0, b1=b1,
+                                    inner=inner, n=n, depth=depth, columns=columns, sx=layouts[0], sw=layouts[1],
+                                    sbias=layouts[2], sc=layouts[3]),
          math.prod(lead), n * depth * columns)
     return out
 
@@ -247,12 +239,12 @@ class ProducedRows:
     keep: tuple = ()
 
     @classmethod
-    def made_by(cls, lib: ctypes.CDLL, maker: str, shape, keep: tuple, *state_args) -> "ProducedRows":
+    def made_by(cls, lib: native.NativeFunctions, maker: str, shape, keep: tuple, **state_args) -> "ProducedRows":
         """The rows that the C function ``maker`` of ``lib`` makes, its state a buffer of ``<maker>_state_size()``
-        bytes set by ``<maker>_state(state, *state_args)`` (the convention of every maker)."""
+        bytes set by ``<maker>_state(s=state, **state_args)`` (the convention of every maker)."""
         state = ctypes.create_string_buffer(getattr(lib, f"{maker}_state_size")())
-        getattr(lib, f"{maker}_state")(state, *state_args)
-        return cls(ctypes.cast(getattr(lib, maker), ctypes.c_void_p).value, state, tuple(shape), tuple(keep))
+        getattr(lib, f"{maker}_state")(s=state, **state_args)
+        return cls(getattr(lib, maker).address, state, tuple(shape), tuple(keep))
 
 
 def produced_rows_apply(*tensors: torch.Tensor) -> bool:
@@ -285,9 +277,9 @@ def produced_transposed_product(rows: ProducedRows, y: torch.Tensor, with_sum: b
     columns, inner = y.shape[-1], rows.shape[-3]
     out = torch.empty(*lead, depth, columns + with_sum, dtype=torch.float32)
     lib, layouts = native_library(), (_layout(y), _layout(out))
-    _run(lambda b0, b1: lib.produced_transposed_product(rows.function, ctypes.addressof(rows.state), y.data_ptr(),
-                                                        out.data_ptr(), b0, b1, inner, n, depth, columns,
-                                                        int(with_sum), *layouts),
+    _run(lambda b0, b1: lib.produced_transposed_product(
+        produce=rows.function, state=ctypes.addressof(rows.state), y=y.data_ptr(), c=out.data_ptr(), b0=b0, b1=b1,
+        inner=inner, n=n, depth=depth, columns=columns, with_sum=int(with_sum), sy=layouts[0], sc=layouts[1]),
          math.prod(lead), n * depth * columns)
     return out
 
@@ -302,8 +294,9 @@ def produced_product(rows: ProducedRows, w: torch.Tensor) -> torch.Tensor:
     columns, inner = w.shape[-1], rows.shape[-3]
     out = torch.empty(*lead, n, columns, dtype=torch.float32)
     lib, layouts = native_library(), (_layout(w), _layout(out))
-    _run(lambda b0, b1: lib.produced_product(rows.function, ctypes.addressof(rows.state), w.data_ptr(), out.data_ptr(),
-                                             b0, b1, inner, n, depth, columns, *layouts),
+    _run(lambda b0, b1: lib.produced_product(produce=rows.function, state=ctypes.addressof(rows.state), w=w.data_ptr(),
+                                             c=out.data_ptr(), b0=b0, b1=b1, inner=inner, n=n, depth=depth,
+                                             columns=columns, sw=layouts[0], sc=layouts[1]),
          math.prod(lead), n * depth * columns)
     return out
 
@@ -318,6 +311,8 @@ def affine_feature_rows(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Ten
         x = x.contiguous()
     weight_t, bias = weight_t.contiguous(), bias.contiguous()
     columns, per_head = weight_t.shape[-1], weight_t.dim() == 3
-    return ProducedRows.made_by(native_library(), "affine_rows", (b, h, n, columns), (x, weight_t, bias), x.data_ptr(),
-                                h, x.stride(0), x.stride(1), x.stride(2), d, columns, weight_t.data_ptr(),
-                                bias.data_ptr(), d * columns if per_head else 0, columns if per_head else 0, int(relu))
+    return ProducedRows.made_by(native_library(), "affine_rows", (b, h, n, columns), (x, weight_t, bias), x=x.data_ptr(),
+                                heads=h, stride_b=x.stride(0), stride_h=x.stride(1), stride_n=x.stride(2), depth=d,
+                                columns=columns, wt=weight_t.data_ptr(), bias=bias.data_ptr(),
+                                weight_head=d * columns if per_head else 0, bias_head=columns if per_head else 0,
+                                relu=int(relu))
