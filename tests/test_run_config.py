@@ -29,6 +29,7 @@ DEFAULTS_BEFORE = {
               "score_stages": True, "embedding_loss": "cosine", "teacher_kd": 0.0},
     "lora": {"rank": 0, "alpha": None, "dropout": 0.0},
     "distill": {"steps": None, "default_steps": 300, "lr": 1e-2, "target": "attention", "batch_size": None},
+    "layer_selection": {"target_pct": 99.0, "holdout": 0.15, "time_lengths": [4096, 8192]},  # added since
 }
 # What a CLI run on own data adds after the settings (the order the dict-based config wrote them in).
 RECORD_BEFORE = ["overwrite", "run_dir", "auto", "resolved"]

@@ -15,7 +15,7 @@ from .image_loader import image_transform, make_image_dataloader
 from .images import DECODE_ALL_UP_TO, DigitsDataset, ImageFolderDataset, readable_images
 from .labels import align_labels, model_label_names, normalize_label_name, short_list, token_label_names
 from .loading import load_split
-from .splits import canonical_split
+from .splits import canonical_split, holdout_indices, take
 from .tables import TABLE_EXTENSIONS, find_split_file, read_table, text_encoding
 from .sentences import embedding_texts, has_similarity_scores, sentence_dataset
 from .squad import qa_dataset

@@ -55,3 +55,20 @@ def subset_indices(n: int, max_examples: int | None, shuffle: bool, seed: int) -
     import numpy as np
 
     return sorted(np.random.default_rng(seed).permutation(n)[:max_examples].tolist())
+
+
+def holdout_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(kept, held out): a seeded ``fraction`` of ``n`` examples held out (at least one, and at least one kept),
+    each list sorted; the same (n, fraction, seed) always gives the same parts."""
+    if n < 2:
+        raise LunaConvertError(f"holding out part of a split needs at least 2 examples, got {n}")
+    import numpy as np
+
+    held = min(n - 1, max(1, round(n * fraction)))
+    order = np.random.default_rng([seed, n]).permutation(n)
+    return sorted(order[held:].tolist()), sorted(order[:held].tolist())
+
+
+def take(dataset, indices: list[int]):
+    """The examples ``indices`` of a split: a ``datasets.Dataset`` (``select``) or an image dataset (``subset``)."""
+    return dataset.select(indices) if hasattr(dataset, "select") else dataset.subset(indices)

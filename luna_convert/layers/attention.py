@@ -55,6 +55,8 @@ class AttentionMode(enum.Enum):
     DISTILL_ATTENTION = "attention"  # each linear row against the softmax row (Hedgehog's cross-entropy; N x N)
     DISTILL_OUTPUT = "output"  # the linear output against softmax's (relative MSE; SDPA, memory linear in N)
     SOFTMAX = "softmax"  # exact softmax attention through SDPA (logits distillation's teacher pass)
+    # a ``window`` layer without its linear part (gamma = 0): the window's softmax alone (engine.hybrid_check)
+    WINDOW_ONLY = "window-only"
 
     @property
     def distills(self) -> bool:
@@ -245,6 +247,8 @@ class LinearAttention(nn.Module):
             raise TracingRefused(TRACING_REFUSED)
         if self._mode is AttentionMode.SOFTMAX:
             return softmax_attention(q, k, v, self.softmax_scale, key_mask)
+        if self._mode is AttentionMode.WINDOW_ONLY and not self.window:
+            raise RuntimeError("WINDOW_ONLY needs a layer with a window (method_options.window)")
         context = AttentionContext(key_mask, v.shape[2], num_prefix, grid)
         if self._mode is AttentionMode.DISTILL_OUTPUT:
             teacher_out = softmax_attention(q, k, v, self.softmax_scale, key_mask)
@@ -344,8 +348,9 @@ class LinearAttention(nn.Module):
                                         self.denominator_floor)
 
     def window_gamma(self) -> torch.Tensor:
-        """gamma_h = exp(window_mix_h), [H]: the weight of the linear part beyond the window."""
-        return torch.exp(self.window_mix)
+        """gamma_h = exp(window_mix_h), [H]: the weight of the linear part beyond the window (0 in WINDOW_ONLY)."""
+        gamma = torch.exp(self.window_mix)
+        return torch.zeros_like(gamma) if self._mode is AttentionMode.WINDOW_ONLY else gamma
 
 
 class ModeScope:

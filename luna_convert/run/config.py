@@ -22,6 +22,8 @@ from ..tasks import EMBEDDING_LOSSES, get_task
 # "% recovered" can be read against what the extra training alone does to the teacher.
 CONTROL_METHOD = "softmax"
 # A keyword of convert() itself that method_options passes on with the method's options.
+# keep_softmax_layers' value that asks for the layers to be chosen (run/layer_selection.py)
+AUTO_LAYERS = "auto"
 CONVERT_KEYWORD_OPTIONS = ("convert_local_layers",)
 
 
@@ -86,10 +88,20 @@ class DistillSettings:
     target: str = "attention"
     batch_size: int | None = None  # default: train.batch_size
 
+@dataclass
+class LayerSelectionSettings:
+    """``keep_softmax_layers: auto`` (run/layer_selection.py): the fewest attention layers left softmax whose
+    hybrid keeps ``target_pct`` % of the softmax control's score on a held-out part of the training data."""
+
+    target_pct: float = 99.0  # percent of the control's score (the unconverted model, same budget)
+    holdout: float = 0.15  # fraction of the training data held out (seeded) to score the candidates on
+    time_lengths: list = field(default_factory=lambda: [4096, 8192])  # tokens the frontier's forward is timed at
+
+
 
 # Fields of a RunConfig that are the run's record, not settings: no recipe or --set names them; config.json
 # holds each one that is set.
-RUN_RECORD = ("overwrite", "run_dir", "auto", "resolved")
+RUN_RECORD = ("overwrite", "run_dir", "auto", "resolved", "selection")
 
 
 @dataclass
@@ -110,17 +122,21 @@ class RunConfig:
     skip_unreadable_images: bool = False
     method: str = "luna"
     method_options: dict = field(default_factory=dict)
-    # attention layers (0-based; negative from the end) left softmax: a hybrid
-    keep_softmax_layers: list[int] = field(default_factory=list)
+    # attention layers (0-based; negative from the end) left softmax: a hybrid; "auto": chosen (layer_selection)
+    keep_softmax_layers: list[int] | str = field(default_factory=list)
     seed: int = 42
     output_dir: str = "outputs"
     train: TrainSettings = field(default_factory=TrainSettings)
     lora: LoraSettings = field(default_factory=LoraSettings)
+    layer_selection: LayerSelectionSettings = field(default_factory=LayerSelectionSettings)
     distill: DistillSettings = field(default_factory=DistillSettings)
     # The run's record (RUN_RECORD); None: not set, and not saved.
     overwrite: bool | None = None  # --overwrite: this run may replace the run in run_dir (the CLI records it always)
     run_dir: str | None = None  # --run-dir, or compare's folder for this run
     auto: list[str] | None = None  # own data: the settings chosen from the model and data (autoconfig.mark_auto)
+    # a run of keep_softmax_layers auto: {"role": "candidate", "holdout", "seed"} (trained without the held-out
+    # part, scored on it) or {"role": "final", "target_pct", ...} (the chosen set's full run)
+    selection: dict | None = None
     resolved: dict | None = None  # own data: what was chosen and why (autoconfig.resolve_own_data)
 
     # ------------------------------------------------------------ reading and writing
@@ -196,10 +212,12 @@ class RunConfig:
         if not (_is_number(t.lr) and t.lr > 0):
             raise LunaConvertError(f"train.lr must be positive, got {t.lr!r}")
         kept = self.keep_softmax_layers
-        if not isinstance(kept, list) or not all(_is_int(i) for i in kept):
-            raise LunaConvertError(f"keep_softmax_layers must be a list of layer indices, e.g. [0, 5], got {kept!r}")
+        if kept != AUTO_LAYERS and (not isinstance(kept, list) or not all(_is_int(i) for i in kept)):
+            raise LunaConvertError(f"keep_softmax_layers must be a list of layer indices, e.g. [0, 5], got {kept!r} "
+                                   "(or auto: chosen for a target score)")
         if kept and control:
-            raise LunaConvertError("keep_softmax_layers needs a linear method; the softmax control converts nothing")
+            raise LunaConvertError(f"keep_softmax_layers {'auto ' if kept == AUTO_LAYERS else ''}needs a linear "
+                                   "method; the softmax control converts nothing")
         if t.mixed_precision not in ("no", "bf16", "fp16"):
             raise LunaConvertError(f"train.mixed_precision must be no, bf16 or fp16, got {t.mixed_precision!r}")
         for key, value, ok, what in self._range_checks():
@@ -222,7 +240,7 @@ class RunConfig:
 
     def _range_checks(self) -> list[tuple[str, Any, bool, str]]:
         """(setting, value, whether it is valid, what it must be) of the remaining numbers and choices."""
-        t, d, lora = self.train, self.distill, self.lora
+        t, d, lora, ls = self.train, self.distill, self.lora, self.layer_selection
 
         checks = [
             ("train.max_steps", t.max_steps, t.max_steps is None or _is_int(t.max_steps) and t.max_steps >= 0,
@@ -275,6 +293,11 @@ def coerce_setting(key: str, value, default):
     if isinstance(default, dict):  # a whole section (train, distill, ...), not one setting
         if key == "method_options" and isinstance(value, dict):
             return value
+            ("layer_selection.target_pct", ls.target_pct, _is_number(ls.target_pct) and 0 < ls.target_pct <= 100,
+             "a percentage in (0, 100]"),
+            ("layer_selection.holdout", ls.holdout, _is_number(ls.holdout) and 0 < ls.holdout < 1, "a fraction in (0, 1)"),
+            ("layer_selection.time_lengths", ls.time_lengths, isinstance(ls.time_lengths, list)
+             and all(_is_int(n) and n >= 1 for n in ls.time_lengths), "a list of token counts, e.g. [4096, 8192]"),
         if key != "method_options":
             example = next(iter(default), "key")
             raise LunaConvertError(f"setting {key} is a group of settings; set them one at a time, "

@@ -29,6 +29,7 @@ from .plots import write_curves
 from .results import ConversionSummary, RunResults, StepCounts, Timings
 from ..serialization import library_versions, save
 from ..engine.head_fit import head_fit
+from ..engine.hybrid_check import describe as describe_hybrid_check, hybrid_check
 from ..engine.lora import add_lora, merge_lora
 from ..engine.training import distill_attention, embedding_loss, finetune, read_trainer_state
 from ..tasks import get_task
@@ -425,6 +426,11 @@ def score_stage(run: Run, trained: Trained, checked: Checked, loaded: Loaded, co
     fit = None if run.control else head_fit(accelerator.unwrap_model(trained.model), next(iter(eval_loaders.values())),
                                             device=accelerator.device)
     if trained.lora is not None:  # the saved model is the plain architecture, adapters folded into its weights
+    # A window hybrid: what its linear part still adds (the score and each layer's output without it).
+    check = None if run.control else hybrid_check(accelerator, trained.model, eval_loaders, run.task, run.headline,
+                                                  metrics[run.headline], counted)
+    if check is not None:
+        run.say(describe_hybrid_check(check, run.headline))
         merge_lora(accelerator.unwrap_model(trained.model))
     run.timings["total_s"] = time.perf_counter() - run.started_at
     headline, stage = run.headline, trained.finetuned
@@ -434,7 +440,8 @@ def score_stage(run: Run, trained: Trained, checked: Checked, loaded: Loaded, co
         recipe=config.name, method=config.method, task=run.task.name, model=config.model, headline_metric=headline,
         teacher_score=teacher_score, converted_score=converted_score,
         recovered_pct=recovered_pct(converted_score, teacher_score, headline),
-        stage_scores={**run.stage_scores, "final": converted_score}, head_fit=fit,
+        stage_scores={**run.stage_scores, "final": converted_score}, head_fit=fit, hybrid_check=check,
+        layer_selection=config.selection if (config.selection or {}).get("role") == "final" else None,
         lora=trained.lora.to_dict() if trained.lora is not None else None, method_recipe=run.method_recipe,
         teacher_metrics=loaded.teacher["metrics"], converted_metrics=metrics,
         eval_examples=counted, truncated_examples=data.truncated, truncated_by_split=data.truncated_by_split,

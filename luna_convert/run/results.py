@@ -21,6 +21,8 @@ from .config import RunConfig
 RESULTS_SCHEMA_VERSION = 1
 # What every results file has held since the first version; all else has a default.
 REQUIRED_KEYS = ("method", "task", "headline_metric", "teacher_score", "converted_score", "run_dir")
+# Added since: written only where a run has them, so other runs' files keep the keys they had.
+OPTIONAL_KEYS = ("layer_selection", "hybrid_check")
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,10 @@ class RunResults:
     config: dict = field(default_factory=dict)  # RunConfig.to_dict(); run_config() reads it back
     versions: dict[str, str] = field(default_factory=dict)
     finished_at: str | None = None  # ISO time; orders runs in `report`
+    # keep_softmax_layers auto: the target, the chosen layers, the frontier (run/layer_selection.py); None: not asked
+    layer_selection: dict | None = None
+    # a window run: the score and each layer's output with the linear part removed (engine/hybrid_check.py)
+    hybrid_check: dict | None = None
     schema_version: int = RESULTS_SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know, kept as read
 
@@ -117,6 +123,8 @@ class RunResults:
             if f.name in ("schema_version", "extra"):
                 continue
             value = getattr(self, f.name)
+            if value is None and f.name in OPTIONAL_KEYS:
+                continue
             if isinstance(value, Timings):
                 value = {k: v for k, v in _as_dict(value).items() if v is not None}
             elif isinstance(value, (StepCounts, ConversionSummary)):

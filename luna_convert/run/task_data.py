@@ -18,6 +18,14 @@ from .autoconfig import check_positions
 from .config import RunConfig
 
 EXTRA_EVAL_SPLITS = {"mnli": ("validation_mismatched",)}  # scored besides the task's eval split
+# A layer-selection candidate's eval split: the part of the training split it was not trained on
+HOLDOUT_SPLIT = "held-out"
+
+
+def holdout_of(config: RunConfig) -> float | None:
+    """The fraction of the training split a layer-selection candidate holds out (None: an ordinary run)."""
+    selection = config.selection or {}
+    return selection.get("holdout") if selection.get("role") == "candidate" else None
 
 
 class TaskData:
@@ -38,8 +46,18 @@ class TaskData:
         loaded_splits: dict = {}  # (split, limit) -> dataset: the embedding task reads its eval split twice
 
         self.skipped_images: dict[str, list[str]] = {}  # split -> images left out (skip_unreadable_images)
+        holdout = holdout_of(config)
+        self.eval_split = HOLDOUT_SPLIT if holdout else config.eval_split or task.eval_split
 
         def load(name: str, limit):
+            if holdout and name in (task.train_split, HOLDOUT_SPLIT):  # a candidate: one seeded split of train
+                whole = read(task.train_split, t.max_train_examples)
+                kept, held = data.holdout_indices(len(whole), holdout, config.seed)
+                part = held[:limit] if name == HOLDOUT_SPLIT and limit else kept if name != HOLDOUT_SPLIT else held
+                return data.take(whole, part)
+            return read(name, limit)
+
+        def read(name: str, limit):
             if (name, limit) not in loaded_splits:
                 with data.text_encoding(config.encoding):
                     dataset = data.load_split(task, name, config.data_dir, max_examples=limit, seed=config.seed)
@@ -49,7 +67,7 @@ class TaskData:
             return loaded_splits[name, limit]
 
         if task.is_embedding_level:
-            eval_split = load(config.eval_split or task.eval_split, t.max_eval_examples)
+            eval_split = load(self.eval_split, t.max_eval_examples)
             names = SIMILARITY_METRICS if data.has_similarity_scores(eval_split) else AGREEMENT_METRICS
             if config.metric and task.headline not in names:  # a metric this data cannot give: say so, never swap it
                 has = "plain texts" if names is AGREEMENT_METRICS else "sentence pairs with similarity scores"
@@ -128,8 +146,8 @@ class TaskData:
 
     def eval_loaders(self) -> dict:
         t = self.config.train
-        names = [self.config.eval_split or self.task.eval_split]
-        if not self.config.eval_split:
+        names = [self.eval_split]
+        if not self.config.eval_split and self.eval_split != HOLDOUT_SPLIT:
             names += list(EXTRA_EVAL_SPLITS.get(self.task.name, ()))
         return {n: self.split(n, t.max_eval_examples, False, t.eval_batch_size)[1] for n in names}
 
