@@ -29,6 +29,7 @@ from torch import nn
 
 from .conversion import linear_attention_modules
 from .errors import LunaConvertError
+from .adapters.padding_masks import padding_masks_only
 from .ops.native import reference_kernels
 
 FORMATS = ("onnx", "pt2")
@@ -169,7 +170,7 @@ def export_model(model: nn.Module, output: str | Path, fmt: str = "onnx", length
     try:
         with torch.no_grad():
             expected = [wrapper(*b) for b in batches]  # as the model runs in PyTorch: native kernels where they apply
-            with reference_kernels():
+            with reference_kernels(), padding_masks_only(model):
                 run = (_write_onnx if fmt == "onnx" else _write_pt2)(wrapper, batches[0], signature, Path(partial))
             got = [run(b) for b in batches]
         error = max(float((g - e).abs().max()) for g, e in zip(got, expected))

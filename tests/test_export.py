@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 import luna_convert
 from builders import cli_error_line, invoke_cli
@@ -19,6 +20,9 @@ ort = pytest.importorskip("onnxruntime")
 
 ONNX_METHODS = sorted(name for name in METHODS if name != "sorting")
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+
+
+TRANSFORMERS_V5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
 def _bert_inputs(batch: int, length: int, pad: int = 0, seed: int = 0):
@@ -42,13 +46,14 @@ def _onnx_matches(path, model, inputs: dict) -> float:
     return float(abs(got - expected).max() / abs(expected).max())
 
 
-def _quadratic_float_values(path) -> list[str]:
-    """Floating-point values in the ONNX graph with two sequence axes: an N x N attention matrix."""
+def _quadratic_values(path, floats_only: bool = True) -> list[str]:
+    """Values in the ONNX graph with two sequence axes: an N x N attention matrix (``floats_only``), or any
+    N x N tensor (a mask, its reductions)."""
     model = onnx.shape_inference.infer_shapes(onnx.load(str(path)), data_prop=True)
     found = []
     for value in model.graph.value_info:
         dims = [d.dim_param for d in value.type.tensor_type.shape.dim]
-        if value.type.tensor_type.elem_type in FLOAT_TYPES and dims.count("sequence") >= 2:
+        if (value.type.tensor_type.elem_type in FLOAT_TYPES or not floats_only) and dims.count("sequence") >= 2:
             found.append(f"{value.name} {dims}")
     return found
 
@@ -66,11 +71,32 @@ def test_onnx_matches_pytorch_for_every_method_on_bert(method, tmp_path):
 def test_onnx_graph_has_no_quadratic_attention_but_the_original_has(tmp_path):
     original = make_bert(layers=1)
     export_model(original, tmp_path / "softmax.onnx", length=8)
-    assert _quadratic_float_values(tmp_path / "softmax.onnx"), "the check must see softmax's N x N scores"
+    assert _quadratic_values(tmp_path / "softmax.onnx"), "the check must see softmax's N x N scores"
     converted = make_bert(layers=1)
     luna_convert.convert(converted, method="luna")
     export_model(converted, tmp_path / "luna.onnx", length=8)
-    assert _quadratic_float_values(tmp_path / "luna.onnx") == []
+    assert _quadratic_values(tmp_path / "luna.onnx") == []
+    if TRANSFORMERS_V5:  # v5 builds masks through an interface the export switches to [B, N]
+        assert _quadratic_values(tmp_path / "luna.onnx", floats_only=False) == []  # no N x N mask either
+        assert converted.config._attn_implementation == "sdpa"  # switched back after the export
+
+
+def test_padding_masks_only_leaves_models_with_softmax_layers_alone():
+    from luna_convert.adapters.padding_masks import padding_masks_only
+
+    kept = make_bert(layers=2)
+    luna_convert.convert(kept, method="hedgehog", keep_softmax_layers=[0])
+    with padding_masks_only(kept) as switched:
+        assert not switched and kept.config._attn_implementation == "sdpa"
+    converted = make_bert(layers=2)
+    luna_convert.convert(converted, method="hedgehog")
+    inputs = _bert_inputs(2, 9, pad=3, seed=1)
+    with torch.no_grad():
+        expected = converted(**inputs, output_hidden_states=True).hidden_states[-1]
+        with padding_masks_only(converted) as switched:
+            got = converted(**inputs, output_hidden_states=True).hidden_states[-1]
+    assert switched == (TRANSFORMERS_V5)
+    assert torch.equal(got, expected)  # the layers read the same padding from [B, N] as from [B, 1, N, N]
 
 
 @pytest.mark.parametrize("arch", ["hf-vit", "timm-vit"])
