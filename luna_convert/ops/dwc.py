@@ -294,6 +294,16 @@ def depthwise_conv_tokens_plus(x: torch.Tensor, weight: torch.Tensor, bias: torc
         if _records_grad(x, weight, *[t for t in (bias, addend) if t is not None]):
             return _NativeDepthwiseConvPlus.apply(x, weight, bias, addend, keep, layout)
         return _native_pass(x, weight, bias, addend, keep, divide, layout)
+    return dwc_tokens_plus_reference(x, weight, bias, addend, keep, divide, grid, num_prefix)
+
+
+def dwc_tokens_plus_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                              addend: torch.Tensor | None, keep: torch.Tensor | None = None,
+                              divide: tuple[float, bool] | None = None, grid: tuple[int, int] | None = None,
+                              num_prefix: int = 0) -> torch.Tensor:
+    """``depthwise_conv_tokens_plus`` in PyTorch ops: the reference of ``luna_convert::dwc_tokens_plus``, and the
+    path wherever the native pass does not apply."""
+    b, h, n, c = x.shape
     if divide is not None:
         addend = divide_by_last_column(addend, *divide)
     if grid is not None:
