@@ -147,7 +147,10 @@ def run(
     max_length: Optional[int] = typer.Option(None, "--max-length", help="Text: tokens per example."),
     distill_steps: Optional[int] = typer.Option(None, "--distill-steps", help="Attention-distillation steps (0: none)."),
     keep_softmax_layers: Optional[str] = typer.Option(None, "--keep-softmax-layers", help="Comma-separated attention "
-                                                      "layers (0-based, negative from the end) left softmax: a hybrid."),
+                                                      "layers (0-based, negative from the end) left softmax: a hybrid; "
+                                                      "auto: the fewest that keep --target-pct of the control."),
+    target_pct: Optional[float] = typer.Option(None, "--target-pct", help="With --keep-softmax-layers auto: percent "
+                                               "of the softmax control's score to keep [99]."),
     seed: Optional[int] = typer.Option(None, "--seed"),
     mixed_precision: Optional[str] = typer.Option(None, "--mixed-precision", help="no, bf16 or fp16."),
     set_: List[str] = typer.Option([], "--set", help="Any recipe setting as key=value (repeatable), e.g. train.lr=3e-5."),
@@ -168,7 +171,7 @@ def run(
                  "--metric": metric, "--max-steps": max_steps, "--epochs": epochs, "--batch-size": batch_size,
                  "--lr": lr, "--max-length": max_length, "--distill-steps": distill_steps, "--seed": seed,
                  "--mixed-precision": mixed_precision, "--keep-softmax-layers": keep_softmax_layers,
-                 "--set": set_ or None, "--run-dir": run_dir, "--encoding": encoding,
+                 "--target-pct": target_pct, "--set": set_ or None, "--run-dir": run_dir, "--encoding": encoding,
                  "--skip-unreadable-images": skip_unreadable_images or None,
                  "--overwrite": overwrite or None}
         if any(v is not None for v in given.values()):
@@ -181,12 +184,15 @@ def run(
                "train.mixed_precision": mixed_precision, "distill.steps": distill_steps,
                "train_split": train_split, "metric": metric, "columns.text": text_column,
                "columns.text_pair": text_pair_column, "columns.label": label_column,
-               "keep_softmax_layers": _layer_list(keep_softmax_layers), "encoding": encoding,
-               "skip_unreadable_images": skip_unreadable_images or None}
+               "keep_softmax_layers": _guard(lambda: _layer_list(keep_softmax_layers, auto=True)), "encoding": encoding,
+               "skip_unreadable_images": skip_unreadable_images or None, "layer_selection.target_pct": target_pct}
 
         def build():
             overrides = _overrides(cli, set_)
             config = apply_overrides(load_recipe(recipe), overrides)
+            if target_pct is not None and config.keep_softmax_layers != "auto":
+                raise LunaConvertError("--target-pct goes with --keep-softmax-layers auto (the layers chosen to keep "
+                                       "that score)")
             config.overwrite = overwrite
             if run_dir is not None:
                 config.run_dir = str(run_dir)
@@ -224,7 +230,7 @@ def _dry_run(config) -> None:
 
 
 def _run_pipeline(config, resume=None):
-    from .run.pipeline import run_conversion
+    from .tools.layer_selection import run as run_conversion
 
     if config is not None:
         console.print(f"[bold]luna-convert[/] {config.name or ''} method={config.method} model={config.model} "
@@ -417,7 +423,7 @@ def compare(
     cli = {"model": model, "task": task, "data_dir": data_dir, "output_dir": output_dir,
            "train.max_steps": max_steps, "distill.steps": distill_steps, "train.lr": lr,
            "train.batch_size": batch_size, "train.max_length": max_length,
-           "keep_softmax_layers": _layer_list(keep_softmax_layers)}
+           "keep_softmax_layers": _guard(lambda: _layer_list(keep_softmax_layers))}
 
     def build():
         config = apply_overrides(load_recipe(recipe), _overrides(cli, set_))
@@ -580,7 +586,16 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
                                  param_hint=option) from None
 
 
-def _layer_list(text: str | None) -> list[int] | None:
+def _layer_list(text: str | None, auto: bool = False) -> list[int] | str | None:
+    """--keep-softmax-layers: layer indices, or (``auto``: where the command can choose them) auto."""
+    if text is not None and "auto" in text.lower():
+        if not auto:
+            raise LunaConvertError("--keep-softmax-layers auto chooses the layers in `luna-convert run`; here pass "
+                                   "the layers, e.g. 0,5")
+        if text.strip().lower() != "auto":
+            raise LunaConvertError(f"--keep-softmax-layers {text}: auto chooses the layers itself; pass auto or a "
+                                   "list of layers, not both")
+        return "auto"
     return None if text is None else list(_int_list(text, "--keep-softmax-layers"))
 
 

@@ -22,5 +22,9 @@ DISTILLED_DIR = "checkpoints/distilled"  # the model after attention distillatio
 CURVES_FILE = "curves.png"
 MODEL_CARD_FILE = "README.md"
 
+# a layer selection (keep_softmax_layers auto): in the run folder, beside the chosen set's run
+SELECTION_DIR = "selection"  # the search's runs, one folder each, and its config
+SELECTION_FILE, SELECTION_TABLE = "layer_selection.json", "layer_selection.md"
+
 # a comparison folder (luna-convert compare)
 COMPARE_FILE, TABLE_FILE, PLOT_FILE = "compare.json", "compare.md", "compare.png"

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import LunaConvertError
 from ..fileio import atomic_write_json, atomic_write_text
 from ..folder_layout import COMPARE_FILE, PLOT_FILE, RESULTS_FILE, TABLE_FILE
-from .config import CONTROL_METHOD, CONVERT_KEYWORD_OPTIONS, RunConfig
+from .config import AUTO_LAYERS, CONTROL_METHOD, CONVERT_KEYWORD_OPTIONS, RunConfig
 from .pipeline import run_conversion
 from .results import RunResults
 from ..linear_methods.base import AttentionOptions
@@ -49,6 +49,9 @@ def run_compare(config: RunConfig, methods: list[str], seeds: list[int], folder:
                 console=None) -> dict:
     """Run every method (and the control) for every seed into ``folder``; returns compare.json's content."""
 
+    if config.keep_softmax_layers == AUTO_LAYERS:
+        raise LunaConvertError("compare runs every method with the same layers kept softmax: choose them per method "
+                               "with `luna-convert run --keep-softmax-layers auto`, then pass the list")
     for method in methods:
         get_method(method)  # an unknown name fails before any run starts
         # so does an option the method refuses (e.g. a window for a kernel method): its run's config is checked

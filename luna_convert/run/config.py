@@ -22,9 +22,9 @@ from ..tasks import EMBEDDING_LOSSES, get_task
 # "% recovered" can be read against what the extra training alone does to the teacher.
 CONTROL_METHOD = "softmax"
 # A keyword of convert() itself that method_options passes on with the method's options.
-# keep_softmax_layers' value that asks for the layers to be chosen (run/layer_selection.py)
-AUTO_LAYERS = "auto"
 CONVERT_KEYWORD_OPTIONS = ("convert_local_layers",)
+# keep_softmax_layers' value that asks for the layers to be chosen (tools/layer_selection.py)
+AUTO_LAYERS = "auto"
 
 
 @dataclass
@@ -88,15 +88,15 @@ class DistillSettings:
     target: str = "attention"
     batch_size: int | None = None  # default: train.batch_size
 
+
 @dataclass
 class LayerSelectionSettings:
-    """``keep_softmax_layers: auto`` (run/layer_selection.py): the fewest attention layers left softmax whose
+    """``keep_softmax_layers: auto`` (tools/layer_selection.py): the fewest attention layers left softmax whose
     hybrid keeps ``target_pct`` % of the softmax control's score on a held-out part of the training data."""
 
     target_pct: float = 99.0  # percent of the control's score (the unconverted model, same budget)
     holdout: float = 0.15  # fraction of the training data held out (seeded) to score the candidates on
     time_lengths: list = field(default_factory=lambda: [4096, 8192])  # tokens the frontier's forward is timed at
-
 
 
 # Fields of a RunConfig that are the run's record, not settings: no recipe or --set names them; config.json
@@ -128,16 +128,16 @@ class RunConfig:
     output_dir: str = "outputs"
     train: TrainSettings = field(default_factory=TrainSettings)
     lora: LoraSettings = field(default_factory=LoraSettings)
-    layer_selection: LayerSelectionSettings = field(default_factory=LayerSelectionSettings)
     distill: DistillSettings = field(default_factory=DistillSettings)
+    layer_selection: LayerSelectionSettings = field(default_factory=LayerSelectionSettings)
     # The run's record (RUN_RECORD); None: not set, and not saved.
     overwrite: bool | None = None  # --overwrite: this run may replace the run in run_dir (the CLI records it always)
     run_dir: str | None = None  # --run-dir, or compare's folder for this run
     auto: list[str] | None = None  # own data: the settings chosen from the model and data (autoconfig.mark_auto)
+    resolved: dict | None = None  # own data: what was chosen and why (autoconfig.resolve_own_data)
     # a run of keep_softmax_layers auto: {"role": "candidate", "holdout", "seed"} (trained without the held-out
     # part, scored on it) or {"role": "final", "target_pct", ...} (the chosen set's full run)
     selection: dict | None = None
-    resolved: dict | None = None  # own data: what was chosen and why (autoconfig.resolve_own_data)
 
     # ------------------------------------------------------------ reading and writing
     @classmethod
@@ -280,6 +280,11 @@ class RunConfig:
             ("lora.alpha", lora.alpha, lora.alpha is None or _is_number(lora.alpha) and lora.alpha > 0,
              "positive, or null (2 x rank)"),
             ("lora.dropout", lora.dropout, _is_number(lora.dropout) and 0 <= lora.dropout < 1, "a fraction in [0, 1)"),
+            ("layer_selection.target_pct", ls.target_pct, _is_number(ls.target_pct) and 0 < ls.target_pct <= 100,
+             "a percentage in (0, 100]"),
+            ("layer_selection.holdout", ls.holdout, _is_number(ls.holdout) and 0 < ls.holdout < 1, "a fraction in (0, 1)"),
+            ("layer_selection.time_lengths", ls.time_lengths, isinstance(ls.time_lengths, list)
+             and all(_is_int(n) and n >= 1 for n in ls.time_lengths), "a list of token counts, e.g. [4096, 8192]"),
         ]
         for key in ("max_train_examples", "max_eval_examples"):
             value = getattr(t, key)
@@ -293,11 +298,6 @@ def coerce_setting(key: str, value, default):
     if isinstance(default, dict):  # a whole section (train, distill, ...), not one setting
         if key == "method_options" and isinstance(value, dict):
             return value
-            ("layer_selection.target_pct", ls.target_pct, _is_number(ls.target_pct) and 0 < ls.target_pct <= 100,
-             "a percentage in (0, 100]"),
-            ("layer_selection.holdout", ls.holdout, _is_number(ls.holdout) and 0 < ls.holdout < 1, "a fraction in (0, 1)"),
-            ("layer_selection.time_lengths", ls.time_lengths, isinstance(ls.time_lengths, list)
-             and all(_is_int(n) and n >= 1 for n in ls.time_lengths), "a list of token counts, e.g. [4096, 8192]"),
         if key != "method_options":
             example = next(iter(default), "key")
             raise LunaConvertError(f"setting {key} is a group of settings; set them one at a time, "

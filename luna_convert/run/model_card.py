@@ -132,6 +132,19 @@ def _pct(x) -> str:
     return "-" if x is None else f"{x:.1f}%"
 
 
+def _selection_lines(selection: dict | None) -> list[str]:
+    """The card's line on layers chosen by ``keep_softmax_layers: auto`` (none where they were not)."""
+    if not selection or "chosen" not in selection:
+        return []
+    attempt = (selection.get("attempts") or [{}])[-1]
+    pct = attempt.get("pct_of_control")
+    return [f"- layers kept softmax: {selection['chosen'] or 'none'}, chosen (`--keep-softmax-layers auto`) as the "
+            f"fewest that keep {selection['target_pct']:g} % of the softmax control's score; this run "
+            + (f"{'reaches' if selection.get('verified') else 'misses'} it ({pct:.1f} % of the control)"
+               if pct is not None else "was not checked")
+            + f" (the frontier: `{selection.get('file', 'layer_selection.md')}`)"]
+
+
 def _body(results: RunResults, config: RunConfig) -> str:
     method, headline = results.method, results.headline_metric
     given = config.method_options
@@ -153,6 +166,7 @@ def _body(results: RunResults, config: RunConfig) -> str:
         + (" (the control run: the original softmax model finetuned unconverted)" if not conversion else ""),
         f"- training: {steps.distill} attention-distillation steps, then {steps.finetune} finetuning steps "
         f"(lr {config.train.lr}, batch {config.train.batch_size}, seed {results.seed})",
+        *_selection_lines(results.layer_selection),
         "",
         "## Results",
         "",

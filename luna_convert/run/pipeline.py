@@ -20,10 +20,11 @@ from ..conversion import ConversionReport, convert, feature_map_parameters, is_c
 from ..errors import LunaConvertError, RunInterrupted
 from ..fileio import atomic_write_json, keep_log_entries
 from ..folder_layout import (CONFIG_FILE, CONVERSION_FILE, CURVES_FILE, DISTILLED_DIR, LOG_FILE, MODEL_CARD_FILE,
-                             MODEL_DIR, RESULTS_FILE, STAGES_FILE, STATE_FILE, TEACHER_FILE, WEIGHTS_FILE)
+                             MODEL_DIR, RESULTS_FILE, SELECTION_DIR, SELECTION_FILE, SELECTION_TABLE, STAGES_FILE,
+                             STATE_FILE, TEACHER_FILE, WEIGHTS_FILE)
 from ..linear_methods.registry import get_method
 from ..metrics import headline_metric, recovered_pct
-from .config import CONTROL_METHOD, RunConfig
+from .config import AUTO_LAYERS, CONTROL_METHOD, RunConfig
 from .model_card import write_model_card
 from .plots import write_curves
 from .results import ConversionSummary, RunResults, StepCounts, Timings
@@ -37,7 +38,7 @@ from .models import check_model_folder, load_model, missing_local_folder
 from .preflight import Checked, preflight
 from .teachers import ensure_builtin
 from ..engine.scoring import score
-from .task_data import TaskData, steps_for
+from .task_data import TaskData, holdout_of, steps_for
 
 
 # --------------------------------------------------------------------- set-up
@@ -75,11 +76,15 @@ def new_run_dir(config: RunConfig) -> Path:
 # What a run writes into its folder: removed (only these) before --overwrite reuses a folder.
 RUN_ARTEFACTS = (RESULTS_FILE, CONFIG_FILE, TEACHER_FILE, LOG_FILE, STAGES_FILE, STATE_FILE, MODEL_DIR,
                  "checkpoints", MODEL_CARD_FILE, CURVES_FILE)
+# What a layer selection writes beside its chosen set's run (tools/layer_selection.py): kept when that run is
+# replaced by the search's next attempt, removed with the rest by any other run.
+SELECTION_ARTEFACTS = (SELECTION_DIR, SELECTION_FILE, SELECTION_TABLE)
 
 
 def _check_replaceable(run_dir: Path) -> None:
     """--overwrite deletes a previous run, never anything else: refuse folders holding other files."""
-    foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_ARTEFACTS and not p.name.startswith("."))
+    foreign = sorted(p.name for p in run_dir.iterdir()
+                     if p.name not in RUN_ARTEFACTS + SELECTION_ARTEFACTS and not p.name.startswith("."))
     config_file = run_dir / CONFIG_FILE
     if not foreign and config_file.is_file():
         try:
@@ -93,15 +98,30 @@ def _check_replaceable(run_dir: Path) -> None:
                                "--overwrite only replaces a previous run: choose an empty or new --run-dir")
 
 
-def _clear_run_folder(run_dir: Path) -> None:
+def clear_run_folder(run_dir: Path, keep_selection: bool = False) -> None:
+    """Remove a previous run's files (only those; a layer selection's too unless ``keep_selection``)."""
     import shutil
 
-    for name in RUN_ARTEFACTS:
+    for name in RUN_ARTEFACTS + (() if keep_selection else SELECTION_ARTEFACTS):
         path = run_dir / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         elif path.exists() or path.is_symlink():
             path.unlink()
+
+
+def check_run_folder(run_dir: Path, overwrite: bool | None) -> bool:
+    """Whether a new run in ``run_dir`` replaces an earlier one (allowed with ``overwrite``, and only a run's
+    files); a file, or a non-empty folder without ``overwrite``: LunaConvertError."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise LunaConvertError(f"{run_dir} is a file; choose another run folder")
+    reuse = run_dir.exists() and any(run_dir.iterdir())
+    if reuse and not overwrite:
+        raise LunaConvertError(f"{run_dir} already exists and is not empty; pass --overwrite to replace that run "
+                               "or choose another folder")
+    if reuse:
+        _check_replaceable(run_dir)
+    return reuse
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -251,6 +271,9 @@ def resolve_stage(config: RunConfig | None, resume=None, console=None) -> Run:
             raise LunaConvertError(f"{run_dir} already finished (it has {RESULTS_FILE}); nothing to resume: read its "
                                    f"results, `luna-convert eval {run_dir}`, or start a new run")
         config = RunConfig.from_dict(_read_json(run_dir / CONFIG_FILE, "run config"))
+    if config.keep_softmax_layers == AUTO_LAYERS:
+        raise LunaConvertError("keep_softmax_layers auto is a search over several runs: start it with "
+                               "`luna-convert run ... --keep-softmax-layers auto` (tools.layer_selection.run_selection)")
     config.check_runnable()
     method_recipe = apply_method_recipe(config) if resume is None else {}  # a resumed config has them already
     accelerator = make_accelerator(config)
@@ -262,14 +285,7 @@ def resolve_stage(config: RunConfig | None, resume=None, console=None) -> Run:
             from accelerate.utils import broadcast_object_list
 
             run_dir = Path(broadcast_object_list([str(run_dir)], from_process=0)[0])
-        if run_dir.exists() and not run_dir.is_dir():
-            raise LunaConvertError(f"{run_dir} is a file; choose another run folder")
-        reuse = run_dir.exists() and any(run_dir.iterdir())
-        if reuse and not config.overwrite:
-            raise LunaConvertError(f"{run_dir} already exists and is not empty; pass --overwrite to replace that run "
-                                   "or choose another folder")
-        if reuse:
-            _check_replaceable(run_dir)
+        reuse = check_run_folder(run_dir, config.overwrite)
     say = (console.print if console is not None and accelerator.is_main_process else (lambda *a, **k: None))
     return Run(config, accelerator, run_dir, resume is not None, task, method_recipe, reuse, say,
                _logger(accelerator, run_dir), started_at)
@@ -282,7 +298,7 @@ def load_stage(run: Run, checked: Checked, started: list[Path] | None = None) ->
     run.task = checked.data.task  # a token task's tag names come with the model, the embedding task's headline with the data
     if accelerator.is_main_process:
         if run.reuse:  # --overwrite: nothing of the old run may leak into this one
-            _clear_run_folder(run_dir)
+            clear_run_folder(run_dir, keep_selection=(run.config.selection or {}).get("role") == "final")
         run_dir.mkdir(parents=True, exist_ok=True)
         if not run.resuming:
             atomic_write_json(run_dir / CONFIG_FILE, run.config.to_dict())
@@ -425,12 +441,12 @@ def score_stage(run: Run, trained: Trained, checked: Checked, loaded: Loaded, co
     # Which heads the kernel follows (per head: softmax entropy, KL to the linear rows).
     fit = None if run.control else head_fit(accelerator.unwrap_model(trained.model), next(iter(eval_loaders.values())),
                                             device=accelerator.device)
-    if trained.lora is not None:  # the saved model is the plain architecture, adapters folded into its weights
     # A window hybrid: what its linear part still adds (the score and each layer's output without it).
     check = None if run.control else hybrid_check(accelerator, trained.model, eval_loaders, run.task, run.headline,
                                                   metrics[run.headline], counted)
     if check is not None:
         run.say(describe_hybrid_check(check, run.headline))
+    if trained.lora is not None:  # the saved model is the plain architecture, adapters folded into its weights
         merge_lora(accelerator.unwrap_model(trained.model))
     run.timings["total_s"] = time.perf_counter() - run.started_at
     headline, stage = run.headline, trained.finetuned
@@ -495,9 +511,11 @@ def _logger(accelerator, run_dir: Path):
 # ----------------------------------------------------------------------- eval
 def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | None = None,
                    split: str | None = None, batch_size: int = 64, max_length: int | None = None,
-                   max_examples: int | None = None, heads: bool = False, encoding: str | None = None) -> dict:
+                   max_examples: int | None = None, heads: bool = False, encoding: str | None = None,
+                   inspect: Callable | None = None) -> dict:
     """Metrics of a saved converted model, a run folder, or an original checkpoint; ``heads``: also
-    the per-head fit of the linear attention to softmax (``engine.head_fit``)."""
+    the per-head fit of the linear attention to softmax (``engine.head_fit``); ``inspect(accelerator, model,
+    eval_loaders, task)``: whatever it returns, as ``inspected``."""
     from accelerate import Accelerator
 
     path = Path(path)
@@ -526,7 +544,9 @@ def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | No
     config = replace(run_config, data_dir=data_dir if data_dir is not None else run_config.data_dir, eval_split=split,
                      encoding=encoding or run_config.encoding,
                      train=replace(run_config.train, eval_batch_size=batch_size, max_eval_examples=max_examples,
-                                   max_train_examples=None, batch_size=batch_size,
+                                   # a selection candidate's held-out part is drawn from its training subset
+                                   max_train_examples=run_config.train.max_train_examples
+                                   if holdout_of(run_config) else None, batch_size=batch_size,
                                    max_length=max_length or run_config.train.max_length))
     config.validate()  # --encoding
     loaded = load_model(source, task.num_labels, level=task.level)
@@ -548,5 +568,7 @@ def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | No
               "converted": is_converted(loaded.model)}
     if heads:
         result["head_fit"] = head_fit(loaded.model, next(iter(eval_loaders.values())), device=accelerator.device)
+    if inspect is not None:
+        result["inspected"] = inspect(accelerator, loaded.model, eval_loaders, data.task)
     accelerator.end_training()
     return result
