@@ -1,10 +1,10 @@
 """``convert(model, method, options=None, **overrides)``: swap every supported softmax self-attention
 for linear attention in place, keeping the pretrained weights. The method's options object, validated
-once here, is what every layer holds and what ``save`` writes."""
+once (given as one, e.g. by the run config, or made here from options by name), is what every layer holds
+and what ``save`` writes."""
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -15,7 +15,7 @@ from .adapters import (attention_like_classes, check_supported, find_adapter, li
 from .errors import ConversionError
 from .layers.attention import LinearAttention
 from .linear_methods.base import AttentionOptions
-from .linear_methods.registry import get_method
+from .linear_methods.registry import get_method, resolve_options
 
 CONFIG_ATTR = "linear_attention_config"  # set on a converted model; read by save() and the pipeline
 
@@ -75,30 +75,6 @@ class ConversionReport:
 
 def is_converted(model: nn.Module) -> bool:
     return any(isinstance(m, LinearizedAttention) for m in model.modules())
-
-
-def resolve_options(method: str, options: dict | AttentionOptions) -> AttentionOptions:
-    """The options object of ``method`` (its options dataclass): its defaults updated with ``options`` and
-    validated, or ``options`` itself when it already is one; an unknown key, a bad value or another method's
-    options object is a ConversionError."""
-    spec = get_method(method)
-    if isinstance(options, AttentionOptions):
-        try:
-            return spec.check_options(options)
-        except (ValueError, TypeError) as e:
-            raise ConversionError(f"invalid options for method {method!r} ({e})") from None
-    unknown = set(options) - set(spec.defaults)
-    if unknown:
-        valid = sorted(spec.defaults)
-        # closest first (get_close_matches' order), each once
-        close = list(dict.fromkeys(c for name in sorted(unknown) for c in difflib.get_close_matches(name, valid, n=2)))
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise ConversionError(f"unknown option(s) {sorted(unknown)} for method {method!r}.{hint} Valid: {valid}")
-    try:
-        return spec.make_options(**options)
-    except (ValueError, TypeError) as e:
-        raise ConversionError(f"invalid options for method {method!r} ({e}); see `luna-convert methods --details`"
-                              ) from None
 
 
 def softmax_layer_names(names: list[str], layers: Sequence[int]) -> set[str]:

@@ -29,6 +29,17 @@ def unknown_name(kind: str, name: str, choices: Iterable[str]) -> UnknownNameErr
     return UnknownNameError(f"unknown {kind} {name!r}.{hint} Available: {', '.join(choices)}")
 
 
+PEFT_INSTALL_HINT = "LoRA needs the peft library: pip install 'luna-convert[lora]' (or pip install peft)"
+
+
+def check_peft_available() -> None:
+    """LoRA's library is installed (checked with the run config, before torch is loaded), or the install hint."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise LunaConvertError(PEFT_INSTALL_HINT) from None
+
+
 class RunInterrupted(KeyboardInterrupt):
     """A run stopped by Ctrl-C; ``run_dir``: its folder, to resume from (None: nothing was written yet)."""
 

@@ -11,9 +11,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..conversion import linear_attention_modules
-from ..errors import LunaConvertError
-
-INSTALL_HINT = "LoRA needs the peft library: pip install 'luna-convert[lora]' (or pip install peft)"
+from ..errors import LunaConvertError, check_peft_available
 
 
 @dataclass
@@ -26,13 +24,6 @@ class LoraSummary:
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-def check_peft_available() -> None:
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        raise LunaConvertError(INSTALL_HINT) from None
 
 
 def head_module_names(model: nn.Module) -> list[str]:

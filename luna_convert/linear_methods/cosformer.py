@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,15 +25,9 @@ import torch.nn.functional as F
 from ..ops import exp_rows
 from ..ops.context import AttentionContext
 from ..ops.products import ProducedRows
-from .base import AttentionOptions, FeatureMap, Method, option
+from .base import FeatureMap, Method
+from .cosformer_options import CosformerOptions
 from .registry import register
-
-
-@dataclass
-class CosformerOptions(AttentionOptions):
-    prefix_neutral: bool = option(True, "derived: ViT prefix tokens (CLS, registers) weigh cos = 1 with every token "
-                                  "and patches are ranked among patches (D = 4d on such inputs); false: one "
-                                  "raster index over [prefix, patches] (the official code's order)")
 
 
 def _position_trig(rank: torch.Tensor, length: torch.Tensor, prefix: int, dtype: torch.dtype) -> torch.Tensor:

@@ -14,30 +14,15 @@ kernel is >= 0), so the layer divides by max(den, eps).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
-from .base import AttentionOptions, FeatureMap, Method, check_choice, option
+from .base import FeatureMap, Method
+from .ela_options import KERNELS, ELAOptions  # noqa: F401 (KERNELS: read here too)
 from .registry import register
-
-KERNELS = ("exp", "l2sum", "l2sub")
-
-
-@dataclass
-class ELAOptions(AttentionOptions):
-    # The exp features are shifted to at most 1, so a row's sum can be far below 1: a guard of 1e-6 would
-    # visibly shrink such rows (derived).
-    eps: float = option(1e-12, "added to the denominator (exp); the squared-distance kernels divide by max(den, eps)")
-    kernel: str = option("exp", "'exp' Hadamard-exp (the paper's recommended default), 'l2sum' ||q+k||^2 "
-                                "or 'l2sub' ||q-k||^2")
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_choice("kernel", self.kernel, KERNELS)
 
 
 class ELAFeatureMap(FeatureMap):

@@ -21,7 +21,6 @@ and a merge walk over the sorted queries. The PyTorch path below is their refere
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,33 +29,15 @@ from torch import nn
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
 from . import sorting_native
-from .base import AttentionOptions, KernelAttention, Method, check_choice, check_positive_int, option
+from .base import KernelAttention, Method
+from .sorting_options import PROFILES, SortingOptions  # noqa: F401 (PROFILES: read here too)
 from .registry import register
 
-PROFILES = ("laplace", "matern32")
 SCAN_BLOCK = 32  # tokens per block of the scan: a block is summed with an explicit [C, C] decay matrix
 
 
 def inverse_softplus(value: float) -> float:
     return value + math.log(-math.expm1(-value))
-
-
-@dataclass
-class SortingOptions(AttentionOptions):
-    projections: int = option(16, "R, learned 1-D projections per head (derived: no value published)")
-    profile: str = option("laplace", "univariate kernel kappa: 'laplace' exp(-|t|) or 'matern32' (1+|t|)exp(-|t|)")
-    bandwidth: float = option(1.0, "initial h_r of every projection (derived; h_r >= 1e-2 x this)")
-    background: float = option(1e-4, "initial c0 / sum_r w_r, a constant kernel floor so no query is left "
-                                      "without keys (derived)")
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_positive_int(self, "projections")
-        check_choice("profile", self.profile, PROFILES)
-        for name in ("bandwidth", "background"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
 def _block_sums(y: torch.Tensor, a0: torch.Tensor, a1: torch.Tensor | None, moments: bool):

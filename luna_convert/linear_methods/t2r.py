@@ -7,7 +7,6 @@ d^-1/2 before the map. Two registered methods share this map and differ in recip
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,17 +15,9 @@ from torch import nn
 from ..ops import products
 from ..ops.context import AttentionContext
 from ..ops.products import ProducedRows
-from .base import AttentionOptions, FeatureMap, Method, check_positive_int, option
+from .base import FeatureMap, Method
+from .t2r_options import T2ROptions
 from .registry import register
-
-
-@dataclass
-class T2ROptions(AttentionOptions):
-    feature_dim: int = option(64, "D, features per head (64 in the public T2R scripts)")
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_positive_int(self, "feature_dim")
 
 
 class T2RFeatureMap(FeatureMap):

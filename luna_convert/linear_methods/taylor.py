@@ -13,7 +13,6 @@ d' = 16: D = 153) with a learned projection.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,19 +22,9 @@ from ..ops.dtypes import accumulation_dtype
 from ..ops import pair_rows
 from ..ops.layout import tokens_first
 from ..ops.products import ProducedRows
-from .base import AttentionOptions, FeatureMap, Method, option
+from .base import FeatureMap, Method
+from .taylor_options import TaylorOptions
 from .registry import register
-
-
-@dataclass
-class TaylorOptions(AttentionOptions):
-    project_dim: int = option(0, "derived: d', project q and k to d' dims per head first (learned, random "
-                              "orthonormal init; Based uses 16); 0 = no projection")
-
-    def __post_init__(self):
-        super().__post_init__()
-        if isinstance(self.project_dim, bool) or not isinstance(self.project_dim, int) or self.project_dim < 0:
-            raise ValueError(f"project_dim must be a non-negative integer, got {self.project_dim!r}")
 
 
 def upper_triangle(n: int) -> tuple[torch.Tensor, torch.Tensor]:
