@@ -129,7 +129,7 @@ def main() -> None:
             for name, bench in versions.items():
                 torch.manual_seed(0)
                 base, options = bench.layer_variant(method)
-                layer = bench.LinearAttention(base, 64, 12, 64**-0.5, spatial=bool(patch_layout), **options)
+                layer = bench.LinearAttention(base, 64, 12, 64**-0.5, spatial=bool(patch_layout), options=options)
                 runs[name] = layer_calls(layer, args.batch, args.tokens, args.part == "maps", **patch_layout)
             best = {name: [float("inf"), float("inf")] for name in runs}
             for _ in range(args.rounds):

@@ -47,7 +47,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     base, options = layer_variant(args.method)
-    layer = LinearAttention(base, args.head_dim, args.heads, args.head_dim**-0.5, **options)
+    layer = LinearAttention(base, args.head_dim, args.heads, args.head_dim**-0.5, options=options)
     shape = (args.batch, args.heads, args.tokens, args.head_dim)
     q, k, v = (torch.randn(shape) for _ in range(3))
 

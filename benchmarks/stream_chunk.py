@@ -42,7 +42,7 @@ def main() -> None:
             n = int(tokens)
             torch.manual_seed(0)
             base, options = bench.layer_variant(method)
-            layer = bench.LinearAttention(base, 64, 12, 64**-0.5, **options)
+            layer = bench.LinearAttention(base, 64, 12, 64**-0.5, options=options)
             forward, train_step = layer_calls(layer, 1, n)
             best = {size: [float("inf"), float("inf")] for size in sizes}
             calls = {}

@@ -12,10 +12,9 @@ import copy
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Iterator, Mapping
 
-from ..conversion import resolve_options
-from ..engine.lora import check_peft_available
-from ..errors import LunaConvertError, unknown_name
-from ..linear_methods.registry import get_method
+from ..errors import LunaConvertError, check_peft_available, unknown_name
+from ..linear_methods.options import AttentionOptions
+from ..linear_methods.registry import options_of, resolve_options
 from ..tasks import EMBEDDING_LOSSES, get_task
 
 # The control run of `compare`: the original model finetuned unconverted with the same budget, so that
@@ -203,7 +202,7 @@ class RunConfig:
                                    "the teacher's embeddings): use --set train.teacher_kd=0")
         control = self.method == CONTROL_METHOD
         if not control:
-            get_method(self.method)
+            options_of(self.method)  # an unknown method name first
         t = self.train
         for key in ("batch_size", "eval_batch_size", "grad_accum"):
             value = getattr(t, key)
@@ -223,9 +222,23 @@ class RunConfig:
         for key, value, ok, what in self._range_checks():
             if not ok:
                 raise LunaConvertError(f"{key} must be {what}, got {value!r}; fix it with --set {key}=...")
-        if not control:
-            resolve_options(self.method, {k: v for k, v in self.method_options.items()
-                                          if k not in CONVERT_KEYWORD_OPTIONS})
+        self.attention_options()
+
+    def attention_options(self) -> AttentionOptions | None:
+        """The method's options object: ``method_options`` (less convert's own keywords) validated into the
+        method's options dataclass once, the same object returned until ``method`` or ``method_options``
+        change; what the run converts with (``convert(..., options=)``) and saves. None for the control."""
+        if self.method == CONTROL_METHOD:
+            return None
+        given = {k: v for k, v in self.method_options.items() if k not in CONVERT_KEYWORD_OPTIONS}
+        key = (self.method, repr(given))  # repr: 1, 1.0 and True are different settings
+        if self.__dict__.get("_options_key") != key:
+            self._options, self._options_key = resolve_options(self.method, given), key
+        return self._options
+
+    def convert_keywords(self) -> dict[str, Any]:
+        """The keywords of convert() itself given in ``method_options`` (``convert_local_layers``)."""
+        return {k: v for k, v in self.method_options.items() if k in CONVERT_KEYWORD_OPTIONS}
 
     def check_runnable(self) -> None:
         """What a run needs besides valid settings: a model, a task (or own data), peft for LoRA."""

@@ -27,13 +27,14 @@ _NOT_IN_COMMAND = {"name", "description", "output_dir"}
 _FLAGS = {"model": "--model", "task": "--task", "data_dir": "--data-dir", "method": "--method"}
 
 
-def write_model_card(run_dir: str | Path, results: RunResults | None = None) -> Path:
-    """Write ``run_dir/README.md`` from ``results`` (default: the run's results.json); returns its path."""
+def write_model_card(run_dir: str | Path, results: RunResults | None = None, config: RunConfig | None = None) -> Path:
+    """Write ``run_dir/README.md`` from ``results`` (default: the run's results.json) and the run's ``config``
+    (default: the one ``results`` records, read back); returns its path."""
     run_dir = Path(run_dir)
     if results is None:
         results = RunResults.read(run_dir / RESULTS_FILE)
     path = run_dir / MODEL_CARD_FILE
-    atomic_write_text(path, model_card_text(results, results.run_config()))
+    atomic_write_text(path, model_card_text(results, config if config is not None else results.run_config()))
     return path
 
 

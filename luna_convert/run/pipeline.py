@@ -361,7 +361,8 @@ def convert_stage(run: Run, model, eval_loaders: dict) -> Converted:
     if run.control:
         run.say("control run: the original softmax model is finetuned with the same budget, unconverted")
     else:
-        report = convert(model, config.method, keep_softmax_layers=config.keep_softmax_layers, **config.method_options)
+        report = convert(model, config.method, keep_softmax_layers=config.keep_softmax_layers,
+                         options=config.attention_options(), **config.convert_keywords())
         model.to(accelerator.device)
         kept = f"; {len(report.kept_softmax)} kept softmax" if report.kept_softmax else ""
         run.say(f"converted {len(report.modules)} attention modules to {config.method} "
@@ -478,7 +479,7 @@ def save_stage(run: Run, trained: Trained, checked: Checked, results: RunResults
         save(accelerator.unwrap_model(trained.model), run_dir / MODEL_DIR, tokenizer=loaded.tokenizer,
              processor=loaded.image_processor, overwrite=True,
              extra={"image_config": loaded.image_config or None, "task": run.task.name})
-        write_model_card(run_dir, results)
+        write_model_card(run_dir, results, run.config)
         write_curves(run_dir, run_dir / LOG_FILE, results)
         results.write(run_dir / RESULTS_FILE)
     accelerator.wait_for_everyone()

@@ -17,6 +17,7 @@ from typing import Callable
 from ..conversion import convert, is_converted
 from ..data import text_encoding
 from ..errors import ConversionError, LunaConvertError
+from ..linear_methods.options import AttentionOptions
 from ..model_building import LoadedModel
 from .autoconfig import resolve_own_data, task_for
 from .config import CONTROL_METHOD, RunConfig
@@ -54,7 +55,8 @@ def preflight(config: RunConfig, run_dir: Path, accelerator, task=None,
     if is_converted(loaded.model):
         raise LunaConvertError(f"{config.model} is already converted to linear attention; start from the original")
     if config.method != CONTROL_METHOD:
-        check_convertible(loaded.model, config.method, config.method_options, config.keep_softmax_layers)
+        check_convertible(loaded.model, config.method, config.attention_options(), config.keep_softmax_layers,
+                          **config.convert_keywords())
     data = TaskData(config, loaded, task, accelerator)
     # both before conversion: the embedding task's targets are the unconverted model's embeddings
     eval_loaders = data.eval_loaders()
@@ -83,13 +85,14 @@ def check_writable(run_dir: Path) -> None:
                                f"({e.strerror or type(e).__name__}); choose another --output-dir (or --run-dir)") from None
 
 
-def check_convertible(model, method: str, options: dict, keep_softmax_layers: list[int] = ()) -> None:
+def check_convertible(model, method: str, options: AttentionOptions | dict | None = None,
+                      keep_softmax_layers: list[int] = (), **convert_keywords) -> None:
     """Dry-run the conversion on the model as the run will use it, so that what only the model can tell
     fails before the run folder is written: no supported attention, attention that cannot be converted
     faithfully, keep_softmax_layers out of range, options that do not fit its heads (the options
-    themselves were checked with the config, ``RunConfig.validate``). A copy of the model that shares its
-    weights (only the module structure is copied) gets its first attention module converted and runs one
-    forward pass on a made-up input."""
+    themselves were checked with the config: ``options`` is the object ``RunConfig.attention_options`` made, or
+    options by name). A copy of the model that shares its weights (only the module structure is copied) gets
+    its first attention module converted and runs one forward pass on a made-up input."""
     import copy
 
     import torch
@@ -105,15 +108,18 @@ def check_convertible(model, method: str, options: dict, keep_softmax_layers: li
 
     with torch.random.fork_rng(devices=[]):  # the run's seeded RNG stream stays as it is
         # raises the explanatory ConversionError
-        convert(probe, method, filter_fn=first_only, keep_softmax_layers=keep_softmax_layers, **options)
+        given = {"options": options} if isinstance(options, AttentionOptions) else dict(options or {})
+        convert(probe, method, filter_fn=first_only, keep_softmax_layers=keep_softmax_layers, **given,
+                **convert_keywords)
         args, kwargs = example_inputs(probe)
         try:
             with torch.no_grad():
                 probe(*args, **kwargs)
         except (RuntimeError, ValueError, TypeError) as e:
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            what = f"method {method!r}" + (f" with options {options}" if options else "")
-            hint = ("fix --set method_options... (defaults: `luna-convert methods`)" if options else
+            named = options.changed() if isinstance(options, AttentionOptions) else options
+            what = f"method {method!r}" + (f" with options {named}" if named else "")
+            hint = ("fix --set method_options... (defaults: `luna-convert methods`)" if named else
                     "this model cannot be converted with it (rerun with --debug to see where it failed)")
             raise ConversionError(f"{what} cannot run on {type(model).__name__} (test forward of {chosen[0]}: "
                                   f"{reason}); {hint}") from e

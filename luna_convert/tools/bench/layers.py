@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 from ...conversion import resolve_options
 from ...errors import LunaConvertError, unknown_name
 from ...layers.attention import LinearAttention
-from ...linear_methods import METHODS
+from ...linear_methods import METHODS, AttentionOptions
 from ...run.recipes import parse_override
 from .timing import Clock, forward_ops, loglog_slope, median_ms, peak_memory, round_robin
 
@@ -31,12 +31,12 @@ def _eager_softmax(q, k, v):
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-def layer_variant(name: str) -> tuple[str, dict]:
-    """A bench layer name -> (method, options): a method, ``luna-nodwc`` (LUNA without DWC), or a method
+def layer_variant(name: str) -> tuple[str, AttentionOptions]:
+    """A bench layer name -> (method, its options object, validated once): a method, ``luna-nodwc`` (LUNA without DWC), or a method
     with options, ``METHOD:NAME=VALUE[:NAME=VALUE]`` (``hedgehog:window=64``); values read as ``--set`` reads
     them. An unknown method or option, or a bad value, is a LunaConvertError."""
     if name == LUNA_CORE:
-        return "luna", {"dwc": False}
+        return "luna", resolve_options("luna", {"dwc": False})
     method, *pairs = name.split(OPTION_SEPARATOR)
     if method not in METHODS:
         raise unknown_name("method", method, [*METHODS, LUNA_CORE])
@@ -47,8 +47,7 @@ def layer_variant(name: str) -> tuple[str, dict]:
             raise LunaConvertError(f"bench method {name!r}: give options as METHOD:NAME=VALUE, e.g. hedgehog:window=64")
         option, value = parse_override(pair)
         options[option] = value
-    resolve_options(method, options)  # ConversionError (a LunaConvertError) on a bad option
-    return method, options
+    return method, resolve_options(method, options)  # ConversionError (a LunaConvertError) on a bad option
 
 
 def layer_modules(methods: Sequence[str], device, heads: int, head_dim: int):
@@ -64,7 +63,7 @@ def layer_modules(methods: Sequence[str], device, heads: int, head_dim: int):
             layers[name] = _eager_softmax
             continue
         base, options = layer_variant(name)
-        module = LinearAttention(base, head_dim, heads, head_dim**-0.5, **options).to(device)
+        module = LinearAttention(base, head_dim, heads, head_dim**-0.5, options=options).to(device)
         layers[name] = module
         modules[name] = module
     return layers, modules
