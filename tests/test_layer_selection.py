@@ -16,6 +16,7 @@ from luna_convert.run.models import load_model
 from luna_convert.run.results import ConversionSummary, RunResults
 from luna_convert.run.task_data import HOLDOUT_SPLIT, TaskData
 from luna_convert.tasks import get_task
+from luna_convert.tools import layer_selection
 from luna_convert.tools.layer_selection import Selection, restored_layer_scores
 from luna_convert.run.pipeline import evaluate_model
 from builders import (cli_error_line, config_for, invoke_cli, write_bert_checkpoint, write_image_folder, write_sst2,
@@ -78,8 +79,7 @@ class FakeRuns:
 
 HELD_OUT = {"control": 0.80, (): 0.60, (2,): 0.75, (0, 2): 0.795, (0, 2, 3): 0.80}
 FULL = {"control": 0.80, (0, 2): 0.78, (0, 2, 3): 0.80}
-RANKING = [{"layer": layer, "restored_score": s, "gain": None} for layer, s in ((2, 0.7), (0, 0.65), (3, 0.62),
-                                                                                 (1, 0.61))]
+RESTORED = {0: 0.65, 1: 0.61, 2: 0.70, 3: 0.62}  # the all-linear model's held-out score, one layer softmax
 
 
 def _selection(tmp_path, runs, target=99.0):
@@ -89,8 +89,16 @@ def _selection(tmp_path, runs, target=99.0):
     return Selection(config, tmp_path, lambda *a, **k: lines.append(" ".join(map(str, a))), runs), lines
 
 
-def test_the_search_grows_the_kept_set_in_rank_order_and_the_full_run_adds_a_layer_when_it_misses(tmp_path):
-    (tmp_path / SELECTION_FILE).write_text(json.dumps({"ranking": RANKING}))  # the scoring passes, done
+def test_the_search_grows_the_kept_set_in_rank_order_and_the_full_run_adds_a_layer_when_it_misses(tmp_path,
+                                                                                                   monkeypatch):
+    scored = []
+
+    def restored(run_dir, max_examples=None, inspect=None):
+        scored.append(Path(run_dir).name)
+        assert inspect is restored_layer_scores
+        return {"inspected": RESTORED}
+
+    monkeypatch.setattr(layer_selection, "evaluate_model", restored)
     runs = FakeRuns(HELD_OUT, FULL)
     selection, lines = _selection(tmp_path, runs)
     record = selection.search()
@@ -98,6 +106,7 @@ def test_the_search_grows_the_kept_set_in_rank_order_and_the_full_run_adds_a_lay
     assert record["chosen"] == [0, 2] and record["reached_on_held_out"]
     assert [round(row["pct_of_control"], 2) for row in record["frontier"]] == [75.0, 93.75, 99.38]
     assert all(where == "held-out" for _, where in runs.calls)
+    assert [r["layer"] for r in record["ranking"]] == [2, 0, 3, 1] and scored == ["keep-none"]
     assert "up to L + 1 (L: the model's attention layers) candidate runs" in lines[0]  # the cost, before any run
     assert any("4 attention layers, 4 converted: at most 3 more candidate runs" in line for line in lines)
     results = selection.verify(record["chosen"])
@@ -112,7 +121,7 @@ def test_the_search_grows_the_kept_set_in_rank_order_and_the_full_run_adds_a_lay
     selection, lines = _selection(tmp_path, again)
     selection.search()
     selection.verify(selection.record["chosen"])
-    assert again.calls == [] and selection.record["chosen"] == [0, 2, 3]
+    assert again.calls == [] and selection.record["chosen"] == [0, 2, 3] and scored == ["keep-none"]
 
 
 def test_a_search_that_reaches_the_target_with_every_layer_linear_keeps_none(tmp_path):
@@ -126,9 +135,10 @@ def test_a_search_that_reaches_the_target_with_every_layer_linear_keeps_none(tmp
 
 
 # ------------------------------------------------------------------ real runs
-def _auto_run(model, data, run_dir, *extra):
-    return invoke_cli("run", "--model", model, "--data-dir", data, "--method", "elu", "--max-steps", "2",
+def _auto_run(model, data, run_dir, *extra, steps=2):
+    return invoke_cli("run", "--model", model, "--data-dir", data, "--method", "elu", "--max-steps", steps,
                       "--batch-size", "8", "--run-dir", run_dir, "--keep-softmax-layers", "auto",
+                      "--set", "train.score_stages=false",
                       "--set", "layer_selection.holdout=0.25", "--set", "layer_selection.time_lengths=[96]", *extra)
 
 
@@ -187,7 +197,7 @@ def test_an_image_search_runs_and_says_why_a_timm_model_is_not_timed(tmp_path):
     model_dir = write_timm_checkpoint(tmp_path / "vit")
     data_dir = write_image_folder(tmp_path / "images")
     run_dir = tmp_path / "run"
-    result = _auto_run(model_dir, data_dir, run_dir, "--target-pct", "1")
+    result = _auto_run(model_dir, data_dir, run_dir, "--target-pct", "1", steps=1)
     assert result.exit_code == 0, result.output[-3000:]
     record = json.loads((run_dir / SELECTION_FILE).read_text())
     assert record["chosen"] == [] and record["verified"]
@@ -216,3 +226,23 @@ def test_compare_refuses_auto_in_one_line(text_setup, tmp_path):
     result = invoke_cli("compare", "--model", model_dir, "--data-dir", data_dir, "--task", "sst2", "--methods", "elu",
                         "--keep-softmax-layers", "auto", "--dir", tmp_path / "cmp")
     assert "chooses the layers in `luna-convert run`" in cli_error_line(result)
+
+
+def test_restoring_a_layer_to_softmax_is_the_model_converted_with_that_layer_kept(monkeypatch):
+    import torch
+
+    from luna_convert.conversion import convert
+    from conftest import example_inputs, logits_of, make_bert
+
+    inputs = example_inputs("hf-bert")
+    monkeypatch.setattr(layer_selection, "score", lambda accelerator, model, loaders, task: (
+        {"accuracy": logits_of(model, inputs).double().sum().item()}, 0))
+    model = make_bert()
+    convert(model, "elu")  # no parameters: the same weights in every conversion
+    restored = restored_layer_scores(None, model, {}, get_task("sst2"))
+    for layer, value in restored.items():
+        kept = make_bert()
+        convert(kept, "elu", keep_softmax_layers=[layer])
+        assert value == pytest.approx(logits_of(kept, inputs).double().sum().item(), rel=1e-4)
+    linear = logits_of(model, inputs).double().sum().item()
+    assert sorted(restored) == [0, 1] and all(v != pytest.approx(linear, rel=1e-2) for v in restored.values())
