@@ -193,7 +193,7 @@ def test_the_ranking_scores_the_all_linear_candidate_on_the_held_out_part_one_la
     assert sorted(out["inspected"]) == [0, 1] and all(0 <= s <= 1 for s in out["inspected"].values())
 
 
-def test_an_image_search_runs_and_says_why_a_timm_model_is_not_timed(tmp_path):
+def test_an_image_search_runs_and_times_long_copies_of_a_timm_vit(tmp_path):
     model_dir = write_timm_checkpoint(tmp_path / "vit")
     data_dir = write_image_folder(tmp_path / "images")
     run_dir = tmp_path / "run"
@@ -201,8 +201,9 @@ def test_an_image_search_runs_and_says_why_a_timm_model_is_not_timed(tmp_path):
     assert result.exit_code == 0, result.output[-3000:]
     record = json.loads((run_dir / SELECTION_FILE).read_text())
     assert record["chosen"] == [] and record["verified"]
-    assert "no transformers config" in record["timing"][0]["skipped"]
-    assert "Not timed" in (run_dir / SELECTION_TABLE).read_text()
+    # 32 px images of 8 px patches: 16 patches + the class token; 96 asked: a 10 x 10 grid + the class token
+    assert [t["tokens"] for t in record["timing"]] == [17, 101] and set(record["timing"][1]["sets"]) == {"keep-none"}
+    assert "forward at 101 tokens" in (run_dir / SELECTION_TABLE).read_text()
 
 
 # ------------------------------------------------------------------ errors

@@ -39,6 +39,7 @@ from ..fileio import atomic_write_json, atomic_write_text
 from ..folder_layout import CONFIG_FILE, MODEL_DIR, RESULTS_FILE, SELECTION_DIR, SELECTION_FILE, SELECTION_TABLE
 from ..layers.attention import AttentionMode, attention_mode
 from ..metrics import headline_metric, recovered_pct
+from ..model_building import TIMM_ARGS_ATTR, create_timm_model, timm_create_args
 from ..run.config import AUTO_LAYERS, CONTROL_METHOD, RunConfig
 from ..run.model_card import write_model_card
 from ..run.pipeline import (check_run_folder, clear_run_folder, distill_steps, evaluate_model, new_run_dir,
@@ -301,10 +302,17 @@ def restored_layer_scores(accelerator, model, eval_loaders: dict, task) -> dict[
 # ---------------------------------------------------------------- timing
 def long_copies(model, tokens: int):
     """(a randomly initialised copy of ``model``'s architecture that takes about ``tokens`` tokens, its inputs
-    [batch 1], the tokens it takes), as ``luna-convert bench`` builds them: positions (text) or image size (ViT)
-    raised; None for an architecture without a transformers config (timm)."""
+    [batch 1], the tokens it takes), as ``luna-convert bench`` builds them: positions (text) or image size (ViT,
+    timm ViT) raised; None for an architecture it cannot rebuild."""
     import torch
 
+    if type(model).__module__.startswith("timm.") or hasattr(model, TIMM_ARGS_ATTR):
+        args = timm_create_args(model)
+        patch = model.patch_embed.patch_size[0]
+        side = max(1, round(math.sqrt(tokens)))
+        torch.manual_seed(0)
+        copied = create_timm_model(**{**args, "img_size": side * patch}).eval()
+        return copied, {"x": torch.randn(1, 3, side * patch, side * patch)}, side * side + copied.num_prefix_tokens
     cfg = copy.deepcopy(getattr(model, "config", None))
     if cfg is None or not hasattr(cfg, "to_dict"):
         return None
@@ -322,6 +330,17 @@ def long_copies(model, tokens: int):
     return type(model)(cfg).eval(), inputs, tokens
 
 
+def own_length(model, config: RunConfig) -> int:
+    """The tokens of the run's inputs: patches of its images (a ViT), else ``train.max_length``."""
+    grid = getattr(getattr(model, "patch_embed", None), "grid_size", None)  # timm
+    if grid is not None:
+        return int(grid[0] * grid[1])
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "image_size", None) and getattr(cfg, "patch_size", None):
+        return (cfg.image_size // cfg.patch_size) ** 2
+    return config.train.max_length
+
+
 def time_frontier(config: RunConfig, record: dict, repeats: int = 3, warmup: int = 1) -> list[dict]:
     """Per length (the run's, then ``layer_selection.time_lengths``): the original's forward and each frontier
     set's, median ms, timed round-robin on one copy of the architecture (random weights)."""
@@ -331,15 +350,14 @@ def time_frontier(config: RunConfig, record: dict, repeats: int = 3, warmup: int
     if not frontier:
         return []
     model = load(Path(frontier[0]["run_dir"]) / MODEL_DIR)
-    own = getattr(getattr(model, "config", None), "image_size", None)
-    own_tokens = (own // model.config.patch_size) ** 2 if own and hasattr(model.config, "patch_size") else \
-        config.train.max_length
+    own_tokens = own_length(model, config)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for n in [own_tokens, *config.layer_selection.time_lengths]:
         built = long_copies(model, n)
         if built is None:
-            return [{"skipped": f"{type(model).__name__} has no transformers config to build a long copy from"}]
+            return [{"skipped": f"{type(model).__name__}: no transformers config or timm arguments to build a long "
+                                "copy from"}]
         original, inputs, tokens = built
         fns = {"original": inference_fn(original.to(device), {k: v.to(device) for k, v in inputs.items()})}
         for row in frontier:
