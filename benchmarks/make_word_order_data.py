@@ -72,7 +72,8 @@ def change_order(sentence: str, rng: random.Random) -> str | None:
     return None
 
 
-def make_split(sentences: list[str], rng: random.Random, originals: set[str], limit: int | None) -> list[tuple[str, int]]:
+def make_split(sentences: list[str], rng: random.Random, originals: set[str],
+               limit: int | None) -> list[tuple[str, int]]:
     """One example per sentence, alternately the original (1) and a changed one (0) after a shuffle; a sentence
     whose change would equal an original (or give nothing) is left out, keeping the two labels balanced."""
     order = list(sentences)

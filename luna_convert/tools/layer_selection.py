@@ -118,7 +118,7 @@ class Selection:
         record: the scoring passes are not repeated on resume)."""
         if "ranking" in self.record:
             return self.record["ranking"]
-        self.say(f"ranking the layers: the all-linear model scored with each layer alone restored to softmax")
+        self.say("ranking the layers: the all-linear model scored with each layer alone restored to softmax")
         restored = evaluate_model(none_kept.run_dir, max_examples=self.config.train.max_eval_examples,
                                   inspect=restored_layer_scores)["inspected"]
         base = none_kept.converted_score
