@@ -44,8 +44,9 @@ with ``torch.searchsorted`` (the grid's size depends on the knots' values).
 
 On the CPU in float32, where a C compiler is, ``channel_features_of`` hands the per-token part (and
 LUNA's feature norm) to ``luna_native``: one native call per map over the same tables and the same grid
-(built with the native cell arithmetic). This module's per-token code is then the fallback (no compiler,
-``LUNA_CONVERT_NATIVE=0``, float64, CUDA, ``torch.compile``) and the native path's reference.
+(built with the native cell arithmetic). Compiled and exported graphs call it as registered operators
+(below), which take the knots and find the grid themselves. This module's per-token code is then the
+fallback (no compiler, ``LUNA_CONVERT_NATIVE=0``, float64, CUDA, ONNX export) and the native path's reference.
 
 Numerics: tables are built in float64, evaluation runs in float32 (float64
 for float64 inputs) with autocast disabled, and the result has the input's
@@ -351,9 +352,127 @@ def _distinct_knots(knots: torch.Tensor, table: torch.Tensor) -> tuple[torch.Ten
     L > ``MAX_KNOTS_PER_CELL`` the grid would give up for searchsorted). A data-dependent size:
     eager code only.
     """
-    distinct, counts = torch.unique_consecutive(knots[knots != float("inf")], return_counts=True)
-    rows = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])  # knots below each interval
+    distinct, rows = _distinct_rows(knots)
     return distinct, table.index_select(0, rows)
+
+
+def _distinct_rows(knots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct finite knots, and the table rows (int64) of the intervals between them."""
+    distinct, counts = torch.unique_consecutive(knots[knots != float("inf")], return_counts=True)
+    return distinct, torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])  # knots below each interval
+
+
+# The native passes as registered operators (schema, fake output, autograd): what compiled and exported graphs
+# call. They take the knots and the whole tables, and find the grid themselves (``operator_grid``): its size
+# depends on the knots' values, which a graph's shapes cannot. Eager code calls the passes directly.
+_OPERATOR_GRIDS: list = []  # (knots, (rows, grid)) of the last few knot vectors the operators were given
+_OPERATOR_GRIDS_KEPT = 4
+
+
+def operator_grid(knots: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """For sorted float32 knots [K]: the table rows (int64) of the intervals between the distinct knots and
+    their native grid (a ``KnotLocator.grid``), the one eager code builds; kept for the same knots (a compiled
+    forward's queries and keys and its backward). Where the knots crowd every grid, one cell holds them all:
+    a longer search, the same intervals."""
+    knots = knots.detach().contiguous()
+    for kept, found in _OPERATOR_GRIDS:
+        if _same_bits(kept, knots):
+            return found
+    distinct, rows = _distinct_rows(knots)
+    grid = KnotLocator(distinct, True, native_cells).grid
+    if grid is None:
+        grid = ("linear", 0.0, 0.0, 1, torch.zeros(1, dtype=torch.int32), distinct[:, None].contiguous())
+    _OPERATOR_GRIDS.insert(0, (knots.clone(), (rows, grid)))
+    del _OPERATOR_GRIDS[_OPERATOR_GRIDS_KEPT:]
+    return rows, grid
+
+
+@torch.library.custom_op("luna_convert::luna_channel_features", mutates_args=(), device_types="cpu")
+def channel_features_op(u: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor, knots: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    """The features [..., M, L] of u [..., M] float32 from the tables [K + 1, L] of the knots [K] (float32);
+    eps < 0: no feature norm."""
+    rows, grid = operator_grid(knots)
+    return luna_native.forward_pass(u.contiguous(), slope.index_select(0, rows), intercept.index_select(0, rows),
+                                    grid, eps)
+
+
+@channel_features_op.register_fake
+def _channel_features_shape(u, slope, intercept, knots, eps):
+    return u.new_empty((*u.shape, slope.shape[1]))
+
+
+@torch.library.custom_op("luna_convert::luna_channel_features_backward", mutates_args=(), device_types="cpu")
+def channel_features_backward_op(grad: torch.Tensor, u: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor,
+                                 knots: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of u, slope and intercept of ``luna_channel_features``, natively."""
+    rows, grid = operator_grid(knots)
+    grad_u, grad_slope, grad_intercept = luna_native.backward_pass(
+        u.contiguous(), slope.index_select(0, rows), intercept.index_select(0, rows), grid, eps, grad)
+    return (grad_u, torch.zeros_like(slope).index_add_(0, rows, grad_slope),
+            torch.zeros_like(intercept).index_add_(0, rows, grad_intercept))
+
+
+@channel_features_backward_op.register_fake
+def _channel_features_backward_shape(grad, u, slope, intercept, knots, eps):
+    return u.new_empty(u.shape), slope.new_empty(slope.shape), intercept.new_empty(intercept.shape)
+
+
+def _channel_features_context(ctx, inputs, output):
+    u, slope, intercept, knots, eps = inputs
+    ctx.eps = eps
+    ctx.save_for_backward(u, slope, intercept, knots)
+
+
+def _channel_features_backward(ctx, grad):
+    u, slope, intercept, knots = ctx.saved_tensors
+    return (*channel_features_backward_op(grad, u, slope, intercept, knots, ctx.eps), None, None)
+
+
+channel_features_op.register_autograd(_channel_features_backward, setup_context=_channel_features_context)
+
+
+@torch.library.custom_op("luna_convert::luna_projected_channel_features", mutates_args=(), device_types="cpu")
+def projected_channel_features_op(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor, slope: torch.Tensor,
+                                  intercept: torch.Tensor, knots: torch.Tensor, eps: float) -> torch.Tensor:
+    """The features [B, H, N, M, L] of u = x W^T + b for x [B, H, N, d], the projection inside the pass."""
+    rows, grid = operator_grid(knots)
+    return luna_native.native_projected_channel_features(x, weight_t.contiguous(), bias.contiguous(),
+                                                         slope.index_select(0, rows), intercept.index_select(0, rows),
+                                                         grid, None if eps < 0 else eps)
+
+
+@projected_channel_features_op.register_fake
+def _projected_channel_features_shape(x, weight_t, bias, slope, intercept, knots, eps):
+    return x.new_empty((*x.shape[:-1], weight_t.shape[1], slope.shape[1]))
+
+
+def _projected_context(ctx, inputs, output):
+    x, weight_t, bias, slope, intercept, knots, eps = inputs
+    ctx.eps = eps
+    ctx.save_for_backward(x, weight_t, bias, slope, intercept, knots)
+
+
+def _projected_backward(ctx, grad):
+    """Through u = x W^T + b, recomputed: the pass keeps no u (it is for inference; this makes it complete)."""
+    x, weight_t, bias, slope, intercept, knots = ctx.saved_tensors
+    u = torch.matmul(x, weight_t) + bias
+    grad_u, grad_slope, grad_intercept = channel_features_backward_op(grad, u, slope, intercept, knots, ctx.eps)
+    grad_x = torch.matmul(grad_u, weight_t.t()) if ctx.needs_input_grad[0] else None
+    grad_weight_t = torch.einsum("...nd,...nm->dm", x, grad_u) if ctx.needs_input_grad[1] else None
+    grad_bias = grad_u.reshape(-1, grad_u.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
+    return grad_x, grad_weight_t, grad_bias, grad_slope, grad_intercept, None, None
+
+
+projected_channel_features_op.register_autograd(_projected_backward, setup_context=_projected_context)
+
+
+def graph_tables(psi, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Compiled code's float32 tables (differentiable) and knots, built in the graph on every call:
+    (slope, intercept, knots), what the operators above take."""
+    knots, table = piecewise_table(psi, torch.float64, scale)
+    table, channels = table.to(torch.float32), table.shape[1] // 2
+    return table[:, :channels], table[:, channels:], knots.detach().to(torch.float32)
 
 
 def _prepared(psi, compute: torch.dtype, scale: float, device: torch.device, native: bool = False):
@@ -415,8 +534,8 @@ def scalar_channels_of(psi, *us: torch.Tensor, scale: float = 1.0) -> tuple[torc
 
 def native_kernel_applies(projections: int, channels: int, compute: torch.dtype, device: torch.device) -> bool:
     """Whether ``channel_features_of`` runs the native kernel for these sizes, dtype and device now."""
-    return (device.type == "cpu" and compute == torch.float32 and not torch.compiler.is_compiling()
-            and luna_native.fits(projections, channels) and luna_native.library() is not None)
+    return (device.type == "cpu" and compute == torch.float32 and luna_native.fits(projections, channels)
+            and luna_native.native_available())
 
 
 def channel_features_of(psi, *us: torch.Tensor, scale: float = 1.0,
@@ -427,6 +546,10 @@ def channel_features_of(psi, *us: torch.Tensor, scale: float = 1.0,
     compute, device = accumulation_dtype(*us), us[0].device
     if native_kernel_applies(us[0].shape[-1], psi.channels, compute, device):
         with torch.autocast(device_type=device.type, enabled=False):
+            if torch.compiler.is_compiling():  # the operators, the grid built in the graph
+                tables, eps = graph_tables(psi, float(scale)), -1.0 if norm_eps is None else float(norm_eps)
+                return tuple(channel_features_op(u.to(torch.float32), *tables, eps).to(u.dtype)
+                             for u in us)
             (slope, intercept), (_, locate) = _prepared(psi, compute, float(scale), device, native=True)
             if locate.grid is not None:  # else crowded knots: searchsorted, on the PyTorch path
                 return tuple(native_channel_features(u, slope, intercept, locate.grid, norm_eps).to(u.dtype)
@@ -471,6 +594,9 @@ def projected_channel_features_of(psi, weight: torch.Tensor, bias: torch.Tensor,
             any(t.dtype != torch.float32 for t in (weight, bias, *xs)) or torch.is_autocast_enabled(device.type) or \
             not native_kernel_applies(weight.shape[0], psi.channels, torch.float32, device):
         return None
+    if torch.compiler.is_compiling():  # the operator, the grid built in the graph
+        tables, eps = graph_tables(psi, float(scale)), -1.0 if norm_eps is None else float(norm_eps)
+        return tuple(projected_channel_features_op(x, weight.t(), bias, *tables, eps) for x in xs)
     (slope, intercept), (_, locate) = _prepared(psi, torch.float32, float(scale), device, native=True)
     if locate.grid is None:
         return None

@@ -8,10 +8,12 @@ the features, the norm done per row while it is in cache. Its backward recompute
 (a few nanoseconds a scalar) instead of keeping them, so the layer saves u and nothing else for it.
 
 Used by ``luna_kernel.channel_features_of`` when ``ops.native`` could build the library (a C compiler is
-there and ``LUNA_CONVERT_NATIVE`` is not 0), for float32 compute on the CPU outside ``torch.compile``;
-everywhere else, and as the reference in tests/test_luna_native.py, the PyTorch path runs. Both locate
-with a ``luna_kernel.KnotLocator`` grid; the native one computes the knots' cells with the library's own
-cell function (``native_cells``), the one its search uses for the inputs.
+there and ``LUNA_CONVERT_NATIVE`` is not 0), for float32 compute on the CPU; compiled and exported graphs
+call the same passes as registered operators (``luna_kernel``: ``luna_convert::luna_channel_features`` and
+its backward, ``luna_convert::luna_projected_channel_features``). Everywhere else, and as the reference in
+tests/test_luna_native.py, the PyTorch path runs. Both locate with a ``luna_kernel.KnotLocator`` grid; the
+native one computes the knots' cells with the library's own cell function (``native_cells``), the one its
+search uses for the inputs.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ def status() -> str:
     return native.status(SOURCE)
 
 
+@native.constant_in_graphs
+def native_available() -> bool:
+    """Whether the library is built; a constant of a compiled graph (dynamo cannot trace its loading)."""
+    return library() is not None
+
+
 def fits(projections: int, channels: int) -> bool:
     """Whether a map of M projections and L channels is within the kernel's fixed buffers."""
     return channels <= MAX_CHANNELS and projections <= BLOCK and projections * channels <= MAX_ROW
@@ -63,37 +71,49 @@ def _shared_args(projections: int, slope: torch.Tensor, intercept: torch.Tensor,
                 intercept=intercept.data_ptr(), eps=eps)
 
 
+def forward_pass(u: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor, grid: tuple,
+                  eps: float) -> torch.Tensor:
+    """``luna_channels_forward`` over u [..., M] (float32, contiguous): the features [..., M, L]."""
+    lib, rows, head = library(), u.numel() // u.shape[-1], _shared_args(u.shape[-1], slope, intercept, grid, eps)
+    out = torch.empty(*u.shape, slope.shape[1], dtype=torch.float32)
+    native.run_in_chunks(lambda r0, r1, _: lib.luna_channels_forward(x=u.data_ptr(), r0=r0, r1=r1, **head,
+                                                                       out=out.data_ptr()),
+                         rows, native.chunk_count(rows, MIN_ROWS_PER_CHUNK))
+    return out
+
+
+def backward_pass(u: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor, grid: tuple, eps: float,
+                   grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``luna_channels_backward``: the gradients of u, slope and intercept from the features' gradient."""
+    lib, rows = library(), u.numel() // u.shape[-1]
+    head = _shared_args(u.shape[-1], slope, intercept, grid, eps)
+    grad_out = grad_out.to(torch.float32).contiguous()
+    grad_u = torch.empty_like(u)
+    chunks = native.chunk_count(rows, MIN_ROWS_PER_CHUNK)
+    # Per-interval sums, one float64 table per chunk (no two threads add into one), summed after.
+    sums = torch.zeros(2, chunks, *slope.shape, dtype=torch.float64)
+    native.run_in_chunks(lambda r0, r1, i: lib.luna_channels_backward(
+        x=u.data_ptr(), r0=r0, r1=r1, **head, grad_out=grad_out.data_ptr(), grad_x=grad_u.data_ptr(),
+        grad_slope=sums[0, i].data_ptr(), grad_intercept=sums[1, i].data_ptr()), rows, chunks)
+    grad_slope, grad_intercept = sums.sum(1).to(slope.dtype).unbind(0)
+    return grad_u, grad_slope, grad_intercept
+
+
 class _NativeChannelFeatures(torch.autograd.Function):
     """Features [..., M, L] of u [..., M] (float32, contiguous); eps < 0: no feature norm."""
 
     @staticmethod
     def forward(ctx, u, slope, intercept, grid, eps, track):
-        lib, rows, head = library(), u.numel() // u.shape[-1], _shared_args(u.shape[-1], slope, intercept, grid, eps)
-        out = torch.empty(*u.shape, slope.shape[1], dtype=torch.float32)
-        native.run_in_chunks(lambda r0, r1, _: lib.luna_channels_forward(x=u.data_ptr(), r0=r0, r1=r1, **head,
-                                                                           out=out.data_ptr()),
-                             rows, native.chunk_count(rows, MIN_ROWS_PER_CHUNK))
         if track:
             ctx.grid, ctx.eps = grid, eps
             ctx.save_for_backward(u, slope, intercept)
-        return out
+        return forward_pass(u, slope, intercept, grid, eps)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         u, slope, intercept = ctx.saved_tensors
-        lib, rows = library(), u.numel() // u.shape[-1]
-        head = _shared_args(u.shape[-1], slope, intercept, ctx.grid, ctx.eps)
-        grad_out = grad_out.to(torch.float32).contiguous()
-        grad_u = torch.empty_like(u)
-        chunks = native.chunk_count(rows, MIN_ROWS_PER_CHUNK)
-        # Per-interval sums, one float64 table per chunk (no two threads add into one), summed after.
-        sums = torch.zeros(2, chunks, *slope.shape, dtype=torch.float64)
-        native.run_in_chunks(lambda r0, r1, i: lib.luna_channels_backward(
-            x=u.data_ptr(), r0=r0, r1=r1, **head, grad_out=grad_out.data_ptr(), grad_x=grad_u.data_ptr(),
-            grad_slope=sums[0, i].data_ptr(), grad_intercept=sums[1, i].data_ptr()), rows, chunks)
-        grad_slope, grad_intercept = sums.sum(1).to(slope.dtype).unbind(0)
-        return grad_u, grad_slope, grad_intercept, None, None, None
+        return (*backward_pass(u, slope, intercept, ctx.grid, ctx.eps, grad_out), None, None, None)
 
 
 def native_channel_features(u: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor, grid: tuple,
@@ -151,3 +171,4 @@ def native_feature_rows(x: torch.Tensor, weight_t: torch.Tensor | None, bias: to
     head = _shared_args(projections, slope, intercept, grid, -1.0 if norm_eps is None else float(norm_eps))
     return ProducedRows.made_by(library(), "luna_rows", (b, h, n, projections * slope.shape[1]),
                                 (x, weight_t, bias, slope, intercept, *grid), **layout, **head)
+

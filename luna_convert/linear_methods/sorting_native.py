@@ -10,9 +10,9 @@ queries, two scans over the sorted keys and one merge walk over the sorted queri
 gradients walked by the keys (the formulas are at the top of ``sorting_sums.c``). Nothing but the inputs,
 the output and its denominators is kept for the backward.
 
-Used by ``SortingKernelAttention.forward`` for float32 compute on the CPU, outside ``torch.compile``, where
-``ops.native`` built the library; everywhere else, and as the reference in tests/test_sorting.py, the
-PyTorch path runs.
+Used by ``SortingKernelAttention.forward`` for float32 compute on the CPU where ``ops.native`` built the
+library (compiled and exported graphs call the registered operator ``luna_convert::sorting_attention``);
+everywhere else, and as the reference in tests/test_sorting.py, the PyTorch path runs.
 """
 
 from __future__ import annotations
@@ -39,10 +39,16 @@ def status() -> str:
     return native.status(SOURCE)
 
 
+@native.constant_in_graphs
+def native_available() -> bool:
+    """Whether the library is built; a constant of a compiled graph (dynamo cannot trace its loading)."""
+    return library() is not None
+
+
 def applies(*tensors: torch.Tensor) -> bool:
-    """Whether the native passes take these tensors: float32 on the CPU, eager code, the library built."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and not torch.compiler.is_compiling() and library() is not None)
+    """Whether the native passes take these tensors: float32 on the CPU, the library built. Compiled and
+    exported graphs call them as the registered operator ``luna_convert::sorting_attention``."""
+    return all([t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors]) and native_available()
 
 
 def sorting_kernel_attention(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
@@ -52,6 +58,9 @@ def sorting_kernel_attention(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, 
     x [B, H, R, Nq] and y [B, H, R, N] the projections already divided by the bandwidths, v [B, H, N, dv],
     key_mask bool [B, N] or None, w [H, R], c0 [H]; float32 (``applies``). Returns [B, H, Nq, dv], with
     gradients for x, y, v, w and c0 where autograd records them."""
+    if torch.compiler.is_compiling():
+        keep = None if key_mask is None else key_mask.to(torch.bool)
+        return sorting_attention_op(x, y, v, keep, w, c0, matern, eps)[0]
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, v, w, c0)):
         return _NativeSortingAttention.apply(x, y, v, key_mask, w, c0, matern, eps)
     return _forward(*_inputs(x, y, v, key_mask, w, c0), matern, eps, keep_denominators=False)[0]
@@ -109,16 +118,69 @@ class _NativeSortingAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        x, y, v, keep, w, c0, out, den = ctx.saved_tensors
-        b, heads, projections, _ = x.shape
-        grad_x, grad_y = torch.empty_like(x), torch.empty_like(y)
-        grad_v = torch.empty(b, heads, v.shape[2], v.shape[3], dtype=torch.float32)
-        grad_w = torch.empty(b, heads, projections, dtype=torch.float32)  # per row: summed below
-        grad_c0 = torch.empty(b, heads, dtype=torch.float32)
-        grad_out = grad_out.contiguous()
-        args, lib = _shared_args(x, y, v, keep, w, c0, ctx.matern), library()
-        _run("backward", b * heads, lambda r0, r1, failed: lib.sorting_attention_backward(
-            **args, grad_out=grad_out.data_ptr(), out=out.data_ptr(), den=den.data_ptr(), row0=r0, row1=r1,
-            grad_x=grad_x.data_ptr(), grad_y=grad_y.data_ptr(), grad_v=grad_v.data_ptr(), grad_w=grad_w.data_ptr(),
-            grad_c0=grad_c0.data_ptr(), failed=failed))
-        return grad_x, grad_y, grad_v, None, grad_w.sum(0), grad_c0.sum(0), None, None
+        grad_x, grad_y, grad_v, grad_w, grad_c0 = _backward(grad_out, *ctx.saved_tensors, ctx.matern)
+        return grad_x, grad_y, grad_v, None, grad_w, grad_c0, None, None
+
+
+def _backward(grad_out, x, y, v, keep, w, c0, out, den, matern):
+    """The backward pass: the gradients of x, y, v, w and c0 (inputs as ``_inputs`` lays them out)."""
+    b, heads, projections, _ = x.shape
+    grad_x, grad_y = torch.empty_like(x), torch.empty_like(y)
+    grad_v = torch.empty(b, heads, v.shape[2], v.shape[3], dtype=torch.float32)
+    grad_w = torch.empty(b, heads, projections, dtype=torch.float32)  # per row: summed below
+    grad_c0 = torch.empty(b, heads, dtype=torch.float32)
+    grad_out = grad_out.contiguous()
+    args, lib = _shared_args(x, y, v, keep, w, c0, matern), library()
+    _run("backward", b * heads, lambda r0, r1, failed: lib.sorting_attention_backward(
+        **args, grad_out=grad_out.data_ptr(), out=out.data_ptr(), den=den.data_ptr(), row0=r0, row1=r1,
+        grad_x=grad_x.data_ptr(), grad_y=grad_y.data_ptr(), grad_v=grad_v.data_ptr(), grad_w=grad_w.data_ptr(),
+        grad_c0=grad_c0.data_ptr(), failed=failed))
+    return grad_x, grad_y, grad_v, grad_w.sum(0), grad_c0.sum(0)
+
+
+# The passes as registered operators (schema, fake outputs, autograd): what compiled and exported graphs call.
+# The forward returns the denominators too, which its backward reads. Eager code calls the passes directly.
+@torch.library.custom_op("luna_convert::sorting_attention", mutates_args=(), device_types="cpu")
+def sorting_attention_op(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None,
+                         w: torch.Tensor, c0: torch.Tensor, matern: bool,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, H, Nq, dv], the denominators [B, H, Nq]) of ``sorting_kernel_attention``; ``keep`` bool [B, N]."""
+    return _forward(*_inputs(x, y, v, keep, w, c0), matern, eps, keep_denominators=True)
+
+
+@sorting_attention_op.register_fake
+def _sorting_attention_shape(x, y, v, keep, w, c0, matern, eps):
+    b, heads, _, nq = x.shape
+    return x.new_empty((b, heads, nq, v.shape[-1])), x.new_empty((b, heads, nq))
+
+
+@torch.library.custom_op("luna_convert::sorting_attention_backward", mutates_args=(), device_types="cpu")
+def sorting_attention_backward_op(grad: torch.Tensor, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor,
+                                  keep: torch.Tensor | None, w: torch.Tensor, c0: torch.Tensor, out: torch.Tensor,
+                                  den: torch.Tensor, matern: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                            torch.Tensor, torch.Tensor]:
+    """The gradients of x, y, v, w and c0 of ``sorting_attention``, natively."""
+    return _backward(grad, *_inputs(x, y, v, keep, w, c0), out.contiguous(), den.contiguous(), matern)
+
+
+@sorting_attention_backward_op.register_fake
+def _sorting_attention_backward_shape(grad, x, y, v, keep, w, c0, out, den, matern):
+    return (x.new_empty(x.shape), y.new_empty(y.shape), v.new_empty(v.shape), w.new_empty(w.shape),
+            c0.new_empty(c0.shape))
+
+
+def _sorting_context(ctx, inputs, output):
+    x, y, v, keep, w, c0, matern, eps = inputs
+    ctx.matern = matern
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, y, v, keep, w, c0, *output)
+
+
+def _sorting_backward(ctx, grad_out, grad_den):
+    x, y, v, keep, w, c0, out, den = ctx.saved_tensors
+    grad_x, grad_y, grad_v, grad_w, grad_c0 = sorting_attention_backward_op(grad_out, x, y, v, keep, w, c0, out, den,
+                                                                            ctx.matern)
+    return grad_x, grad_y, grad_v, None, grad_w, grad_c0, None, None
+
+
+sorting_attention_op.register_autograd(_sorting_backward, setup_context=_sorting_context)
