@@ -1,4 +1,5 @@
-"""What every method is made of: its options, its attention core, and its registry entry.
+"""What every method is made of: its attention core (its options, in ``options.py``, and its registry entry,
+:class:`Method` in ``registry.py``, are imported here too for the method files).
 
 Two kinds of attention core:
 

@@ -3,6 +3,7 @@
 Each method file calls :func:`register` at import. A method whose options dataclass lives in a torch-free
 ``<file>_options.py`` declares it there too (:func:`declare_options`), so :func:`resolve_options` finds and
 validates a method's options without importing torch (a run config is checked before any model code loads).
+A method without one (Hedgehog, ELU and ReLU take the shared ``AttentionOptions``) is found through its file.
 The method files themselves are imported on the registry's first read (:func:`discover`).
 """
 
