@@ -4,6 +4,8 @@ torch.bmm, and the operators called inside compiled graphs and shown by torch.ex
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -55,7 +57,8 @@ def test_operator_values_and_gradients_match_float64_bmm():
 
 def _counting(monkeypatch):
     calls = []
-    for name in ("_native_transposed_product", "_native_product"):
+    for name in ("_native_transposed_product", "_native_product", "_native_produced_transposed_product",
+                 "_native_produced_product"):
         real = getattr(products, name)
         monkeypatch.setattr(products, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     return calls
@@ -95,13 +98,16 @@ def _operators_in(program) -> set[str]:
             for node in module.graph.nodes if str(node.target).startswith("luna_convert.")}
 
 
-def test_torch_export_shows_the_operators_and_runs():
+@pytest.mark.parametrize("method, operators", [
+    ("t2r", {"produced_transposed_product", "produced_product"}),  # its features made inside the products
+    ("ela", {"transposed_product", "product"})])  # its features stored
+def test_torch_export_shows_the_operators_and_runs(method, operators):
     model = make_bert(layers=1)
-    luna_convert.convert(model, method="t2r")
+    luna_convert.convert(model, method=method)
     inputs = example_inputs("hf-bert")
     with torch.no_grad():
         program = torch.export.export(model, (), dict(inputs), strict=False)
-        assert _operators_in(program) == {"luna_convert.transposed_product.default", "luna_convert.product.default"}
+        assert _operators_in(program) == {f"luna_convert.{name}.default" for name in operators}
         assert torch.allclose(program.module()(**inputs).logits, model(**inputs).logits, atol=1e-5)
         with native.reference_kernels():  # what export_model traces: no native operator in the graph
             plain = torch.export.export(model, (), dict(inputs), strict=False)
@@ -157,9 +163,7 @@ def test_compiled_luna_layer_calls_the_native_dwc(monkeypatch):
 
 def test_fake_outputs_promise_the_real_layouts():
     """Inductor checks a custom operator's outputs against its fake implementation's sizes and strides."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from luna_convert.ops import dwc
+    from luna_convert.ops import dwc, exp_rows
 
     x, y, w, bias = _operands(4)
     _, dwc_args = _dwc_operands(False, True)
@@ -167,9 +171,189 @@ def test_fake_outputs_promise_the_real_layouts():
     cases = [(products.transposed_product_op, (x, y, True)), (products.product_op, (x, w, bias.contiguous())),
              (dwc.dwc_tokens_plus_op, dwc_args),
              (dwc.dwc_tokens_backward_op, (grad, dwc_args[0], dwc_args[1], dwc_args[4], dwc_args[5]))]
+    if exp_rows.lanes():
+        z = torch.randn(2, 3, 5, 16)
+        cases += [(exp_rows.softmax_pair_op, (z,)), (exp_rows.softmax_pair_backward_op, (torch.cat([z, z], -1), z.repeat(1, 1, 1, 2)))]
+    _assert_fake_layouts(cases)
+
+
+def _assert_fake_layouts(cases) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def faked(mode, a):
+        if isinstance(a, list):
+            return [faked(mode, b) for b in a]
+        return mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+
     for op, args in cases:
         real = op(*args)
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+            fake = op(*(faked(mode, a) for a in args))
         for r, f in zip(real if isinstance(real, tuple) else (real,), fake if isinstance(fake, tuple) else (fake,)):
             assert (r.shape, r.stride()) == (f.shape, f.stride()), op
+
+
+# The softmax pair (Hedgehog's map) and the products of made rows (every map's fused makers at inference).
+def test_softmax_pair_operators_registration_values_and_gradients():
+    from luna_convert.ops import exp_rows
+
+    if exp_rows.lanes() == 0:
+        pytest.skip(exp_rows.status())
+    z = torch.randn(2, 3, 37, 16, generator=torch.Generator().manual_seed(5))
+    torch.library.opcheck(exp_rows.softmax_pair_op, (z.clone().requires_grad_(),))
+    features = exp_rows.softmax_pair_op(z)
+    torch.library.opcheck(exp_rows.softmax_pair_backward_op, (features, torch.randn_like(features)))
+    leaf, leaf64 = z.clone().requires_grad_(), z.double().requires_grad_()
+    got, want = exp_rows.softmax_pair_op(leaf), exp_rows.softmax_pair_reference(leaf64)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+    weights = torch.linspace(-1, 1, got.numel(), dtype=torch.float64).view_as(want)
+    (grad,) = torch.autograd.grad((got * weights.float()).sum(), leaf)
+    (want_grad,) = torch.autograd.grad((want * weights).sum(), leaf64)
+    torch.testing.assert_close(grad.double(), want_grad, rtol=0, atol=1e-6)
+
+
+# Forms whose rows cover every maker: affine (T2R), affine + softmax pair (Hedgehog), pointwise (ReLU, ELU,
+# cosFormer with its trig table), pairs of x (Taylor), affine + factor product + pairs (LLoPS), affine + the
+# stabilised exps of queries and keys (Performer, keys made at any size, with a key mask).
+MADE_FORMS = {"t2r": {}, "hedgehog": {}, "relu": {}, "elu": {}, "cosformer": {}, "taylor": {}, "llops": {"rank": 6},
+              "performer": {}}
+
+
+def _made_rows(method: str, monkeypatch):
+    """(layer, q, k, mask, query rows, key rows) of a 16-wide, 3-head layer over 2 x 37 tokens, one padded."""
+    from luna_convert.linear_methods import performer
+    from luna_convert.ops.context import AttentionContext
+
+    monkeypatch.setattr(performer, "MADE_KEYS_MIN_BYTES", 0)
+    torch.manual_seed(0)
+    layer = LinearAttention(method, 16, 3, 0.25, **MADE_FORMS[method]).eval()
+    with torch.no_grad():
+        for parameter in layer.method_parameters():  # Hedgehog's W = I, b = 0 would hide a head mixed up
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    g = torch.Generator().manual_seed(6)
+    q, k = (torch.randn(2, 37, 3, 16, generator=g).transpose(1, 2) for _ in range(2))  # heads split in place
+    mask = torch.ones(2, 37, dtype=torch.bool)
+    mask[1, 25:] = False
+    with torch.no_grad():
+        q_rows, k_rows = layer.feature_rows(q, k, AttentionContext(mask, 37))
+    return layer, q, k, mask, q_rows, k_rows
+
+
+def _arguments(rows) -> tuple:
+    """``rows.arguments()``, their tensors detached (the map's parameters require a gradient, which the
+    operators refuse where grad mode is on, as opcheck runs them)."""
+    makers, tensors, ints, floats = rows.arguments()
+    return makers, [None if t is None else t.detach() for t in tensors], ints, floats
+
+
+@pytest.mark.parametrize("method", MADE_FORMS)
+def test_made_rows_operators_registration_and_values(method, monkeypatch):
+    """Each made-rows operator checked by opcheck, and against float64 products of the map's float64 features."""
+    from luna_convert.ops.context import AttentionContext
+
+    layer, q, k, mask, q_rows, k_rows = _made_rows(method, monkeypatch)
+    width = q_rows.shape[-1]
+    g = torch.Generator().manual_seed(7)
+    y, w = torch.randn(2, 3, 37, 9, generator=g), torch.randn(2, 3, width, 9, generator=g)
+    torch.library.opcheck(products.produced_transposed_product_op, (y, True, list(k_rows.shape), *_arguments(k_rows)))
+    torch.library.opcheck(products.produced_product_op, (w, list(q_rows.shape), *_arguments(q_rows)))
+    with torch.no_grad():
+        phi_q, phi_k = copy.deepcopy(layer).double().features(q.double(), k.double(), AttentionContext(mask, 37))
+    for with_sum in (False, True):
+        got = products.produced_transposed_product_op(y, with_sum, list(k_rows.shape), *_arguments(k_rows))
+        want = phi_k.transpose(-1, -2) @ y.double()
+        magnitude = phi_k.abs().transpose(-1, -2) @ y.double().abs()
+        if with_sum:
+            want = torch.cat([want, phi_k.sum(-2, keepdim=True).transpose(-1, -2)], -1)
+            magnitude = torch.cat([magnitude, phi_k.abs().sum(-2, keepdim=True).transpose(-1, -2)], -1)
+        assert ((got.double() - want).abs() <= 1e-5 * magnitude + 1e-6).all(), method
+    got = products.produced_product_op(w, list(q_rows.shape), *_arguments(q_rows))
+    assert ((got.double() - phi_q @ w.double()).abs() <= 1e-5 * (phi_q.abs() @ w.double().abs()) + 1e-6).all()
+    _assert_fake_layouts([(products.produced_product_op, (w, list(q_rows.shape), *_arguments(q_rows))),
+                          (products.produced_transposed_product_op, (y, True, list(k_rows.shape), *_arguments(k_rows)))])
+
+
+def test_made_rows_operators_refuse_gradients_and_read_the_run_tensors(monkeypatch):
+    _, q, _, _, q_rows, _ = _made_rows("t2r", monkeypatch)
+    w = torch.randn(2, 3, q_rows.shape[-1], 5)
+    makers, tensors, ints, floats = _arguments(q_rows)
+    with pytest.raises(RuntimeError, match="inference"):
+        products.produced_product_op(w.clone().requires_grad_(), list(q_rows.shape), makers, tensors, ints, floats)
+    # the operator builds its maker from the tensors it is handed, at their strides: a contiguous copy of x, or
+    # another x, gives that x's product
+    other = torch.randn(q.shape)
+    for x in (tensors[0].contiguous(), other):
+        got = products.produced_product_op(w, list(q_rows.shape), makers, [x, *tensors[1:]], ints, floats)
+        with torch.no_grad():
+            want = products.product_reference(torch.relu(products.product_reference(
+                x, tensors[1].expand(2, 3, *tensors[1].shape), tensors[2].expand(2, 3, 1, -1))), w)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _graph_operators(graphs: list) -> list[str]:
+    return [str(node.target) for graph in graphs for node in graph.graph.nodes if "luna_convert" in str(node.target)]
+
+
+def _recording_backend(forward_graphs: list, backward_graphs: list):
+    """aot_eager that keeps the forward and backward graphs it compiles (ATen level: the operators as called)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(graphs):
+        return lambda gm, inputs: graphs.append(gm) or make_boxed_func(gm)
+
+    return aot_autograd(fw_compiler=keep(forward_graphs), bw_compiler=keep(backward_graphs))
+
+
+@pytest.mark.parametrize("method", MADE_FORMS)
+def test_compiled_inference_calls_the_made_rows_operators(method, monkeypatch):
+    layer, q, k, mask, _, _ = _made_rows(method, monkeypatch)
+    v = torch.randn(2, 3, 37, 16, generator=torch.Generator().manual_seed(8))
+    calls = []
+    for name in ("_native_produced_product", "_native_produced_transposed_product"):
+        real = getattr(products, name)
+        monkeypatch.setattr(products, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=_recording_backend(graphs, []), fullgraph=True)
+    for key_mask in (mask, None):  # the key sums without and with the sum column
+        with torch.no_grad():
+            expected = layer(q, k, v, key_mask)
+            del calls[:]
+            got = compiled(q, k, v, key_mask)
+        keys_made = method != "performer"  # graphs store the random features' keys at every size
+        assert calls.count("_native_produced_product") == 1
+        assert calls.count("_native_produced_transposed_product") == keys_made
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    made = _graph_operators(graphs)
+    assert made.count("luna_convert.produced_product.default") == 2, made
+    assert made.count("luna_convert.produced_transposed_product.default") == 2 * keys_made, made
+    assert made.count("luna_convert.transposed_product.default") == 2 * (not keys_made), made
+
+
+def test_compiled_hedgehog_training_calls_the_softmax_pair_operators():
+    layer = LinearAttention("hedgehog", 16, 2, 0.25)
+    with torch.no_grad():
+        for parameter in layer.method_parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(3))
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, 30:] = False
+    forward_graphs, backward_graphs = [], []
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=_recording_backend(forward_graphs, backward_graphs), fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    compiled(*leaves, mask).square().sum().backward()
+    forward_ops, backward_ops = _graph_operators(forward_graphs), _graph_operators(backward_graphs)
+    assert forward_ops.count("luna_convert.softmax_pair.default") == 2, forward_ops  # queries and keys
+    assert backward_ops.count("luna_convert.softmax_pair_backward.default") == 2, backward_ops
+    got = [t.grad for t in leaves] + [p.grad.clone() for p in layer.method_parameters()]
+    layer.zero_grad()
+    reference = [t.double().requires_grad_() for t in (q, k, v)]
+    with native.reference_kernels():
+        layer.double()(*reference, mask).square().sum().backward()
+    want = [t.grad for t in reference] + [p.grad for p in layer.method_parameters()]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-4 * max(1.0, b.abs().max().item()))
+

@@ -7,8 +7,9 @@ the softmaxes are one pass that reads z = W x + b once and writes both halves, a
 pass from the saved features and their gradient to z's; the projection and its two gradient products run
 in ``ops.products``' native code where it applies (``torch.bmm`` elsewhere).
 
-Used by ``HedgehogFeatureMap.forward`` where ``applies``: float32 on the CPU without autocast, outside
-``torch.compile``, a head size that is a multiple of ``ops.exp_rows.lanes()``, the library built.
+Used by ``HedgehogFeatureMap.forward`` where ``applies``: float32 on the CPU without autocast, a head size that
+is a multiple of ``ops.exp_rows.lanes()``, the library built. Compiled and exported graphs call the registered
+operators instead (``luna_convert::product``, ``luna_convert::softmax_pair``, each with its autograd).
 Everywhere else, and as the reference in tests/test_hedgehog_native.py, the PyTorch path runs.
 """
 
@@ -20,10 +21,10 @@ from ..ops import exp_rows, products
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> bool:
-    """Whether the native path takes these: float32 CPU tensors, eager code without autocast (under autocast the
-    PyTorch path computes the projection in the autocast dtype), x [B, H, N, d] with unit feature stride, d a
-    multiple of ``exp_rows.lanes()``, the library built."""
-    if torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"):
+    """Whether the native path takes these: float32 CPU tensors without autocast (under autocast the PyTorch path
+    computes the projection in the autocast dtype), x [B, H, N, d] with unit feature stride, d a multiple of
+    ``exp_rows.lanes()``, the library built."""
+    if torch.is_autocast_enabled("cpu"):
         return False
     width = exp_rows.lanes()
     return (width > 0 and x.dim() == 4 and x.shape[-1] % width == 0 and x.stride(-1) == 1
@@ -63,5 +64,13 @@ class _HedgehogFeatures(torch.autograd.Function):
 
 def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """[softmax(x W_h^T + b_h), softmax(-(x W_h^T + b_h))] for x [B, H, N, d], weight [H, d, d], bias [H, 1, d]
-    (``applies``): [B, H, N, 2 d], contiguous, with gradients for all three where autograd records them."""
+    (``applies``): [B, H, N, 2 d], contiguous, with gradients for all three where autograd records them. In a
+    compiled graph the projection and the pair are the operators, whose autograd gives the same gradients."""
+    if torch.compiler.is_compiling():
+        b, h, _, d = x.shape
+        weight_t = weight.transpose(1, 2).contiguous().expand(b, h, d, d)
+        bias = bias.expand(b, h, 1, d)
+        z = (torch.ops.luna_convert.product(x, weight_t, bias) if products.native_available()
+             else products.product_reference(x, weight_t, bias))
+        return exp_rows.softmax_pair(z)
     return _HedgehogFeatures.apply(x, weight, bias)

@@ -136,7 +136,8 @@ def positive_random_feature_rows(xs: tuple[torch.Tensor, ...], weight: torch.Ten
         return None
     is_key = context is not None and context.role == "key"
     m = weight.shape[-2]
-    if is_key and xs[0].shape[:-1].numel() * m * 4 < MADE_KEYS_MIN_BYTES:
+    # Compiled and exported graphs store the keys at every size: a branch on the size would tie a graph to it
+    if is_key and (torch.compiler.is_compiling() or xs[0].shape[:-1].numel() * m * 4 < MADE_KEYS_MIN_BYTES):
         return tuple(positive_random_features(x, weight, context, scale) for x in xs)
     weight_t = (weight * scale).mT.contiguous()  # [d, m], or [H, d, m]: each head's own (Flexformer)
     bias = weight_t.new_zeros(weight_t.shape[:-2] + weight_t.shape[-1:])

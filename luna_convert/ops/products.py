@@ -3,7 +3,7 @@ block) and x w (many token rows times a small block), natively (``token_products
 with ``torch.bmm``, their reference, everywhere else.
 
 Operands are [..., N, C] with one leading shape for all (callers expand first). The native code applies
-to float32 CPU tensors with one or two leading axes and unit column stride, in eager code, where no
+to float32 CPU tensors with one or two leading axes and unit column stride, where no
 gradient is recorded, on a CPU with AVX-512 or AVX2 and FMA, once ``ops.native`` has built the library.
 It reads operands at any row and batch strides: the heads split from [B, N, H d] where they lie, and an
 operand expanded over the batch without a copy (torch.bmm takes one batch axis, and reshaping to it
@@ -11,6 +11,14 @@ copies them). On this project's machine it runs the core's shapes (12 heads x 4,
 features, 64 or 65 columns) at 1.3-1.7x ``torch.bmm``'s rate on one thread (docs/design-decisions.md,
 *The core's products in native code*). Its sums round as fused multiply-adds in their own order: equal to
 ``torch.bmm`` to float32 rounding, not to the bit.
+
+Features made inside the products (``ProducedRows``) are declared, not built: a chain of registered C makers
+(``register_maker``) with the tensors, ints and floats each reads. In compiled and exported graphs one operator
+per product of made rows (``luna_convert::produced_product``, ``luna_convert::produced_transposed_product``)
+takes that declaration and builds the makers' C state inside, from the tensors of the run: a schema cannot
+hold a function pointer, and a data pointer or stride taken while tracing would be stale when the graph runs.
+One operator for every chain of makers, not one per maker and product, keeps one schema, fake and test for
+all of them, and a new maker is one ``register_maker`` call. Eager code builds the same state and calls C.
 """
 
 from __future__ import annotations
@@ -223,63 +231,139 @@ product_op.register_autograd(_product_backward, setup_context=_product_context)
 
 
 @dataclass(frozen=True)
+class BuiltRows:
+    """A maker ready to run: the address of a C function ``void f(const void *state, int64_t b, int64_t t0, int64_t
+    tn, float *out)`` that writes the rows [t0, t0 + tn) of batch entry b (b = batch index x H + head) to out as a
+    contiguous [tn, D], for any b and block; ``state`` (a ctypes buffer) its first argument, and ``keep`` the
+    tensors that state points into, held alive as long as this is."""
+
+    function: int
+    state: object
+    keep: tuple = ()
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.state)
+
+
+@dataclass(frozen=True)
 class ProducedRows:
     """An operand x [B, H, N, D] (or [H, N, D]) that the native products make a block of tokens at a time, in
     cache, instead of reading it from memory: a map's features (``FeatureMap.feature_rows``), which then never
     go to memory at all.
 
-    ``function`` is the address of a C function ``void f(const void *state, int64_t b, int64_t t0, int64_t
-    tn, float *out)`` that writes the rows [t0, t0 + tn) of batch entry b (b = batch index x H + head) to out
-    as a contiguous [tn, D], for any b and block; ``state`` (a ctypes object) is its first argument, and
-    ``keep`` holds the tensors that state points into, alive as long as this is."""
+    A declaration, not C state: ``maker`` names a registered C maker (``register_maker``), ``tensors``, ``ints``
+    and ``floats`` are what it reads, and ``source`` the rows another maker makes for it (Hedgehog's logits for
+    its softmax pair). The state and the function pointer are built from the tensors when a product runs
+    (``built``): by eager code just before its C call, and inside the operators ``luna_convert::produced_product``
+    and ``luna_convert::produced_transposed_product`` in compiled and exported graphs, from the tensors the graph
+    hands them then, so that no data pointer, stride or function address is ever a constant of a graph (a schema
+    cannot hold a pointer). ``prebuilt``: rows built from data pointers at once (``made_by``), eager only."""
 
-    function: int
-    state: object
-    shape: tuple[int, ...]
-    keep: tuple = ()
+    maker: str
+    shape: tuple
+    tensors: tuple = ()
+    ints: tuple = ()
+    floats: tuple = ()
+    source: "ProducedRows | None" = None
+    prebuilt: BuiltRows | None = None
+
+    def chain(self) -> list["ProducedRows"]:
+        """This rows' makers, the innermost (the one that reads memory) first."""
+        return ([] if self.source is None else self.source.chain()) + [self]
+
+    def arguments(self) -> tuple[str, list, list, list]:
+        """(makers, tensors, ints, floats): the chain as the operators take it (``build_rows`` reads it back)."""
+        chain = self.chain()
+        if any([rows.prebuilt is not None for rows in chain]):
+            raise RuntimeError(f"rows built from data pointers ({self.maker}, ProducedRows.made_by) are for eager "
+                               "code only: no graph can hold them")
+        return (",".join([rows.maker for rows in chain]), [t for rows in chain for t in rows.tensors],
+                [i for rows in chain for i in rows.ints], [f for rows in chain for f in rows.floats])
+
+    def built(self) -> BuiltRows:
+        return self.prebuilt if self.prebuilt is not None else build_rows(*self.arguments())
 
     @classmethod
     def made_by(cls, lib: native.NativeFunctions, maker: str, shape, keep: tuple, **state_args) -> "ProducedRows":
-        """The rows that the C function ``maker`` of ``lib`` makes, its state a buffer of ``<maker>_state_size()``
-        bytes set by ``<maker>_state(s=state, **state_args)`` (the convention of every maker)."""
-        state = ctypes.create_string_buffer(getattr(lib, f"{maker}_state_size")())
-        getattr(lib, f"{maker}_state")(s=state, **state_args)
-        return cls(getattr(lib, maker).address, state, tuple(shape), tuple(keep))
+        """Rows built now from ``state_args`` (data pointers; eager code only): ``made(lib, maker, keep, ...)``."""
+        return cls(maker, tuple(shape), prebuilt=made(lib, maker, keep, **state_args))
+
+
+def made(lib: native.NativeFunctions, maker: str, keep: tuple, **state_args) -> BuiltRows:
+    """The C function ``maker`` of ``lib`` with its state, a buffer of ``<maker>_state_size()`` bytes set by
+    ``<maker>_state(s=state, **state_args)`` (the convention of every maker)."""
+    state = ctypes.create_string_buffer(getattr(lib, f"{maker}_state_size")())
+    getattr(lib, f"{maker}_state")(s=state, **state_args)
+    return BuiltRows(getattr(lib, maker).address, state, tuple(keep))
+
+
+# name -> (build(tensors, ints, floats, source BuiltRows or None) -> BuiltRows, (tensors, ints, floats) it reads)
+_MAKERS: dict[str, tuple] = {}
+
+
+def register_maker(name: str, counts: tuple[int, int, int], build) -> None:
+    """Declare the C maker ``name``: ``build`` makes its ``BuiltRows`` from ``counts`` tensors (None where one is
+    optional), ints and floats, and from its source's ``BuiltRows`` (None for a maker that reads memory). It
+    must take every data pointer and stride from the tensors it is given: in a graph they are the run's."""
+    _MAKERS[name] = (build, tuple(counts))
+
+
+def build_rows(makers: str, tensors, ints, floats) -> BuiltRows:
+    """The ``BuiltRows`` of a chain of makers (``ProducedRows.arguments``), the innermost first, each the
+    source of the next."""
+    built, at = None, (0, 0, 0)
+    for name in makers.split(","):
+        if name not in _MAKERS:
+            raise KeyError(f"no row maker {name!r} registered (import the module that defines it)")
+        build, counts = _MAKERS[name]
+        parts = [list(values[a:a + c]) for values, a, c in zip((tensors, ints, floats), at, counts)]
+        at = tuple(a + c for a, c in zip(at, counts))
+        built = build(*parts, built)
+    if at != (len(tensors), len(ints), len(floats)):
+        raise ValueError(f"the makers {makers} read {at} tensors, ints and floats, given "
+                         f"{(len(tensors), len(ints), len(floats))}")
+    return built
 
 
 def produced_rows_apply(*tensors: torch.Tensor) -> bool:
     """Whether a map may hand these (its inputs and parameters) to the products as ``ProducedRows``: float32
-    CPU tensors, no gradient recorded for any, no autocast, not compiling, and the native products here."""
-    if torch.compiler.is_compiling():
-        return False
-    return (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-            and not torch.is_autocast_enabled("cpu") and native_library() is not None)
+    CPU tensors, no gradient recorded for any, no autocast, and the native products here. Compiled and exported
+    graphs call the made-rows operators."""
+    return (all([t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors])
+            and not (torch.is_grad_enabled() and any([t.requires_grad for t in tensors]))
+            and not torch.is_autocast_enabled("cpu") and native_available())
 
 
-def _check_produced(rows: ProducedRows, other: torch.Tensor, what: str) -> None:
-    """The checks ``_native_applies`` makes for a read operand, for the one that goes with a ProducedRows."""
-    if native_library() is None:
+def _check_produced(shape: tuple, other: torch.Tensor, what: str) -> None:
+    """The checks ``_native_applies`` makes for a read operand, for the one that goes with rows of ``shape``."""
+    if not native_available():
         raise RuntimeError(f"produced rows need the native products ({native_status()})")
-    lead = tuple(rows.shape[:-2])
-    if len(rows.shape) not in (3, 4) or tuple(other.shape[:-2]) != lead or other.dtype != torch.float32 \
+    lead = tuple(shape[:-2])
+    if len(shape) not in (3, 4) or tuple(other.shape[:-2]) != lead or other.dtype != torch.float32 \
             or other.device.type != "cpu" or other.stride(-1) != 1:
         raise ValueError(f"{what} must be float32 on the CPU, [{', '.join(map(str, lead))}, ...] with unit "
-                         f"column stride, for rows {tuple(rows.shape)}; got {other.dtype} {tuple(other.shape)}")
+                         f"column stride, for rows {tuple(shape)}; got {other.dtype} {tuple(other.shape)}")
 
 
 def produced_transposed_product(rows: ProducedRows, y: torch.Tensor, with_sum: bool = False) -> torch.Tensor:
     """``transposed_product(x, y, with_sum)`` for the x that ``rows`` makes (native code only, no gradients)."""
-    _check_produced(rows, y, "y")
-    *lead, n, depth = rows.shape
-    if y.shape[-2] != n:
-        raise ValueError(f"y has {y.shape[-2]} tokens, the rows {n}")
-    columns, inner = y.shape[-1], rows.shape[-3]
+    _check_produced(rows.shape, y, "y")
+    if y.shape[-2] != rows.shape[-2]:
+        raise ValueError(f"y has {y.shape[-2]} tokens, the rows {rows.shape[-2]}")
+    if torch.compiler.is_compiling():
+        return torch.ops.luna_convert.produced_transposed_product(y, with_sum, list(rows.shape), *rows.arguments())
+    return _native_produced_transposed_product(rows.built(), tuple(rows.shape), y, with_sum)
+
+
+def _native_produced_transposed_product(rows: BuiltRows, shape: tuple, y: torch.Tensor, with_sum: bool) -> torch.Tensor:
+    *lead, n, depth = shape
+    columns, inner = y.shape[-1], shape[-3]
     out = torch.empty(*lead, depth, columns + with_sum, dtype=torch.float32)
     lib, layouts = native_library(), (_layout(y), _layout(out))
     _run(lambda b0, b1: lib.produced_transposed_product(
-        produce=rows.function, state=ctypes.addressof(rows.state), y=y.data_ptr(), c=out.data_ptr(), b0=b0, b1=b1,
-        inner=inner, n=n, depth=depth, columns=columns, with_sum=int(with_sum), sy=layouts[0], sc=layouts[1]),
+        produce=rows.function, state=rows.address, y=y.data_ptr(), c=out.data_ptr(), b0=b0, b1=b1, inner=inner, n=n,
+        depth=depth, columns=columns, with_sum=int(with_sum), sy=layouts[0], sc=layouts[1]),
          math.prod(lead), n * depth * columns)
     return out
 
@@ -287,18 +371,67 @@ def produced_transposed_product(rows: ProducedRows, y: torch.Tensor, with_sum: b
 def produced_product(rows: ProducedRows, w: torch.Tensor) -> torch.Tensor:
     """``product(x, w)`` for the x that ``rows`` makes (native code only, no gradients)."""
     w = w if w.stride(-1) == 1 else w.contiguous()
-    _check_produced(rows, w, "w")
-    *lead, n, depth = rows.shape
-    if w.shape[-2] != depth:
-        raise ValueError(f"w has {w.shape[-2]} rows, the produced rows {depth} columns")
-    columns, inner = w.shape[-1], rows.shape[-3]
+    _check_produced(rows.shape, w, "w")
+    if w.shape[-2] != rows.shape[-1]:
+        raise ValueError(f"w has {w.shape[-2]} rows, the produced rows {rows.shape[-1]} columns")
+    if torch.compiler.is_compiling():
+        return torch.ops.luna_convert.produced_product(w, list(rows.shape), *rows.arguments())
+    return _native_produced_product(rows.built(), tuple(rows.shape), w)
+
+
+def _native_produced_product(rows: BuiltRows, shape: tuple, w: torch.Tensor) -> torch.Tensor:
+    *lead, n, depth = shape
+    columns, inner = w.shape[-1], shape[-3]
     out = torch.empty(*lead, n, columns, dtype=torch.float32)
     lib, layouts = native_library(), (_layout(w), _layout(out))
-    _run(lambda b0, b1: lib.produced_product(produce=rows.function, state=ctypes.addressof(rows.state), w=w.data_ptr(),
+    _run(lambda b0, b1: lib.produced_product(produce=rows.function, state=rows.address, w=w.data_ptr(),
                                              c=out.data_ptr(), b0=b0, b1=b1, inner=inner, n=n, depth=depth,
                                              columns=columns, sw=layouts[0], sc=layouts[1]),
          math.prod(lead), n * depth * columns)
     return out
+
+
+# The products of made rows as registered operators. The makers travel as a declaration (their names, the
+# tensors they read, their ints and floats: ``ProducedRows.arguments``) and are built inside the operator, from
+# the tensors of the run. Inference only: a gradient through them is refused where autograd would record one.
+@torch.library.custom_op("luna_convert::produced_product", mutates_args=(), device_types="cpu")
+def produced_product_op(w: torch.Tensor, shape: list[int], makers: str, tensors: list[torch.Tensor | None],
+                        ints: list[int], floats: list[float]) -> torch.Tensor:
+    """x w for the x [*shape] that the chain ``makers`` makes, natively."""
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    return _native_produced_product(build_rows(makers, tensors, ints, floats), tuple(shape), w)
+
+
+@produced_product_op.register_fake
+def _produced_product_shape(w, shape, makers, tensors, ints, floats):
+    return w.new_empty((*shape[:-1], w.shape[-1]))
+
+
+@torch.library.custom_op("luna_convert::produced_transposed_product", mutates_args=(), device_types="cpu")
+def produced_transposed_product_op(y: torch.Tensor, with_sum: bool, shape: list[int], makers: str,
+                                   tensors: list[torch.Tensor | None], ints: list[int],
+                                   floats: list[float]) -> torch.Tensor:
+    """x^T y (with x's column sums when ``with_sum``) for the x [*shape] that the chain ``makers`` makes, natively."""
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    return _native_produced_transposed_product(build_rows(makers, tensors, ints, floats), tuple(shape), y, with_sum)
+
+
+@produced_transposed_product_op.register_fake
+def _produced_transposed_product_shape(y, with_sum, shape, makers, tensors, ints, floats):
+    return y.new_empty((*shape[:-2], shape[-1], y.shape[-1] + int(with_sum)))
+
+
+def _refuse_gradients(ctx, inputs, output):
+    raise RuntimeError("the products of made rows are for inference: no gradient passes through them (a map "
+                       "stores its features where autograd records one; FeatureMap.feature_rows)")
+
+
+def _no_backward(ctx, grad):
+    raise RuntimeError("the products of made rows have no backward")
+
+
+produced_product_op.register_autograd(_no_backward, setup_context=_refuse_gradients)
+produced_transposed_product_op.register_autograd(_no_backward, setup_context=_refuse_gradients)
 
 
 def affine_feature_rows(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor, relu: bool) -> ProducedRows:
@@ -306,13 +439,21 @@ def affine_feature_rows(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Ten
     b [D], or one per head ([H, d, D] and [H, D]), as ``ProducedRows`` [B, H, N, D]: made in the products,
     never stored (T2R's map; Hedgehog's logits, ``exp_rows.softmax_pair_rows``). The same values to the bit
     as ``product(x, W^T, b)``. No gradients."""
-    b, h, n, d = x.shape
+    b, h, n, _ = x.shape
+    return ProducedRows("affine_rows", (b, h, n, weight_t.shape[-1]), (x, weight_t, bias), (int(relu),))
+
+
+def _build_affine_rows(tensors, ints, floats, source) -> BuiltRows:
+    x, weight_t, bias = tensors
+    _, h, _, d = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     weight_t, bias = weight_t.contiguous(), bias.contiguous()
     columns, per_head = weight_t.shape[-1], weight_t.dim() == 3
-    return ProducedRows.made_by(native_library(), "affine_rows", (b, h, n, columns), (x, weight_t, bias), x=x.data_ptr(),
-                                heads=h, stride_b=x.stride(0), stride_h=x.stride(1), stride_n=x.stride(2), depth=d,
-                                columns=columns, wt=weight_t.data_ptr(), bias=bias.data_ptr(),
-                                weight_head=d * columns if per_head else 0, bias_head=columns if per_head else 0,
-                                relu=int(relu))
+    return made(native_library(), "affine_rows", (x, weight_t, bias), x=x.data_ptr(), heads=h, stride_b=x.stride(0),
+                stride_h=x.stride(1), stride_n=x.stride(2), depth=d, columns=columns, wt=weight_t.data_ptr(),
+                bias=bias.data_ptr(), weight_head=d * columns if per_head else 0,
+                bias_head=columns if per_head else 0, relu=ints[0])
+
+
+register_maker("affine_rows", (3, 1, 0), _build_affine_rows)
