@@ -165,3 +165,13 @@ def test_a_method_registered_with_other_options_than_declared_is_refused():
     finally:
         OPTIONS.clear()
         OPTIONS.update(declared)
+
+
+def test_an_lra_encoder_validates_its_options_once_for_all_its_blocks(count_validations):
+    from luna_convert.lra.model import EncoderSettings, LRAEncoder
+
+    model = LRAEncoder(EncoderSettings(), vocab=16, num_classes=2, max_length=8, method="luna",
+                       method_options={"projections": 4})
+    layers = [block.attention.linear for block in model.blocks]
+    assert len(layers) > 1 and count_validations[0] == 1
+    assert all(layer.options is layers[0].options for layer in layers) and layers[0].options.projections == 4

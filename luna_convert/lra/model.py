@@ -18,6 +18,8 @@ from torch import nn
 
 from ..layers.attention import LinearAttention
 from ..errors import LunaConvertError
+from ..linear_methods.options import AttentionOptions
+from ..linear_methods.registry import resolve_options
 
 SOFTMAX = "softmax"
 POOLINGS = ("mean", "cls")
@@ -64,14 +66,18 @@ def sinusoidal_table(length: int, dim: int) -> torch.Tensor:
 class Attention(nn.Module):
     """Multi-head self-attention over [B, N, C] with a key mask; the core is softmax or ``LinearAttention``."""
 
-    def __init__(self, hidden: int, heads: int, method: str, method_options: dict, dropout: float):
+    def __init__(self, hidden: int, heads: int, method: str, method_options: AttentionOptions | dict | None,
+                 dropout: float):
         super().__init__()
         self.heads, self.head_dim = heads, hidden // heads
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.out = nn.Linear(hidden, hidden)
         self.dropout = dropout
+        # the method's options object (validated once, shared by every block), or its options by name
+        given = ({"options": method_options} if isinstance(method_options, AttentionOptions)
+                 else dict(method_options or {}))
         self.linear = None if method == SOFTMAX else LinearAttention(
-            method, self.head_dim, heads, self.head_dim**-0.5, **method_options)
+            method, self.head_dim, heads, self.head_dim**-0.5, **given)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         b, n, c = x.shape
@@ -87,7 +93,7 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm: x + attention(LN(x)), then x + FFN(LN(x))."""
 
-    def __init__(self, s: EncoderSettings, method: str, method_options: dict):
+    def __init__(self, s: EncoderSettings, method: str, method_options: AttentionOptions | dict | None):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(s.hidden), nn.LayerNorm(s.hidden)
         self.attention = Attention(s.hidden, s.heads, method, method_options, s.dropout)
@@ -104,7 +110,7 @@ class LRAEncoder(nn.Module):
     batch's ``input_ids`` and ``attention_mask`` (and ``pair_ids``, ``pair_mask`` for pairs) and returns logits."""
 
     def __init__(self, settings: EncoderSettings, vocab: int, num_classes: int, max_length: int,
-                 method: str = SOFTMAX, method_options: dict | None = None, pair: bool = False):
+                 method: str = SOFTMAX, method_options: dict | AttentionOptions | None = None, pair: bool = False):
         super().__init__()
         settings.check()
         self.settings, self.method, self.pair = settings, method, pair
@@ -117,7 +123,9 @@ class LRAEncoder(nn.Module):
         else:
             self.register_buffer("position", sinusoidal_table(positions, s.hidden), persistent=False)
         self.drop = nn.Dropout(s.dropout)
-        self.blocks = nn.ModuleList(Block(s, method, dict(method_options or {})) for _ in range(s.layers))
+        # the options validated once into the method's options object, which every block's layer holds
+        options = None if method == SOFTMAX else resolve_options(method, method_options or {})
+        self.blocks = nn.ModuleList(Block(s, method, options) for _ in range(s.layers))
         self.norm = nn.LayerNorm(s.hidden)
         width = 4 * s.hidden if pair else s.hidden
         self.head = nn.Sequential(nn.Linear(width, s.ffn), nn.ReLU(), nn.Linear(s.ffn, num_classes))
