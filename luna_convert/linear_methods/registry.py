@@ -10,6 +10,7 @@ The method files themselves are imported on the registry's first read (:func:`di
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import pkgutil
 from collections.abc import Iterator, Mapping, MutableMapping
@@ -137,11 +138,12 @@ OPTIONS: dict[str, DeclaredOptions] = {}  # method name -> its options, declared
 _discovery = {"methods": "not started", "options": "not started"}
 
 
-def method_modules() -> list[str]:
+@functools.cache
+def method_modules() -> tuple[str, ...]:
     """This package's modules, by name (sorted): the method files and what they import."""
     package = __name__.rpartition(".")[0]
-    return [f"{package}.{m.name}" for m in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]),
-                                                  key=lambda m: m.name)]
+    return tuple(f"{package}.{m.name}" for m in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]),
+                                                       key=lambda m: m.name))
 
 
 def discover() -> None:
