@@ -162,9 +162,10 @@ def test_a_real_search_chooses_verifies_records_and_resumes(text_setup, tmp_path
     for row in record["frontier"]:
         assert row["pct_of_control"] == pytest.approx(100 * row["score"] / record["control_score"])
     tokens = [t["tokens"] for t in record["timing"]]
-    assert tokens == [128, 96] and all(set(t["sets"]) == {"keep-" + "-".join(map(str, r["kept"])) if r["kept"]
-                                                          else "keep-none" for r in record["frontier"]}
-                                       for t in record["timing"])
+    tried = {"keep-" + "-".join(map(str, r["kept"])) if r["kept"] else "keep-none"
+             for r in record["frontier"] + record["attempts"]}
+    assert tokens == [128, 96] and all(set(t["sets"]) == tried for t in record["timing"])
+    assert (f"keep-{'-'.join(map(str, chosen))}" if chosen else "keep-none") in tried  # the chosen set is timed
     assert f"layers kept softmax: {chosen or 'none'}, chosen" in (run_dir / "README.md").read_text()
     # Resume after losing the final run and the all-linear candidate: the rest is read back.
     (run_dir / RESULTS_FILE).unlink()

@@ -247,11 +247,10 @@ def run_selection(config: RunConfig | None, resume=None, console=None) -> RunRes
     say(f"layer selection in {run_dir}", soft_wrap=True)
     selection = Selection(config, run_dir, say, lambda cfg, again: run_conversion(cfg, resume=again, console=console))
     record = selection.record if "trying" in selection.record else selection.search()
-    if "timing" not in record:
-        say("timing the frontier: each set's forward against the original's, random weights")
-        record["timing"] = time_frontier(config, record)
-        selection.save()
     results = selection.verify(record["chosen"])
+    if "timing" not in selection.record:
+        say("timing every set tried: its forward against the original's (random weights)")
+        selection.record["timing"] = time_frontier(config, selection.record)
     selection.save()
     results = replace(results, layer_selection=summary(selection.record))
     results.write(run_dir / RESULTS_FILE)
@@ -342,13 +341,18 @@ def own_length(model, config: RunConfig) -> int:
 
 
 def time_frontier(config: RunConfig, record: dict, repeats: int = 3, warmup: int = 1) -> list[dict]:
-    """Per length (the run's, then ``layer_selection.time_lengths``): the original's forward and each frontier
-    set's, median ms, timed round-robin on one copy of the architecture (random weights)."""
+    """Per length (the run's, then ``layer_selection.time_lengths``): the original's forward and that of each set
+    tried (the frontier's, then the full runs'), median ms, timed round-robin on one copy of the architecture
+    (random weights)."""
     import torch
 
     frontier = record.get("frontier") or []
     if not frontier:
         return []
+    sets: list[list[int]] = []
+    for kept in [row["kept"] for row in frontier] + [a["kept"] for a in record.get("attempts") or []]:
+        if kept not in sets:
+            sets.append(kept)
     model = load(Path(frontier[0]["run_dir"]) / MODEL_DIR)
     own_tokens = own_length(model, config)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -360,11 +364,10 @@ def time_frontier(config: RunConfig, record: dict, repeats: int = 3, warmup: int
                                 "copy from"}]
         original, inputs, tokens = built
         fns = {"original": inference_fn(original.to(device), {k: v.to(device) for k, v in inputs.items()})}
-        for row in frontier:
+        for kept in sets:
             hybrid = copy.deepcopy(original)
-            convert(hybrid, config.method, keep_softmax_layers=row["kept"], **config.method_options)
-            fns[candidate_name(row["kept"])] = inference_fn(hybrid.to(device), {k: v.to(device) for k, v in
-                                                                                 inputs.items()})
+            convert(hybrid, config.method, keep_softmax_layers=kept, **config.method_options)
+            fns[candidate_name(kept)] = inference_fn(hybrid.to(device), {k: v.to(device) for k, v in inputs.items()})
         times = round_robin(fns, Clock(device), repeats, warmup)
         base = median_ms(times["original"])
         rows.append({"tokens": tokens, "original_ms": base, "device": str(device),
@@ -379,6 +382,12 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} %"
 
 
+def _time_cells(kept: list[int], timing: list[dict]) -> str:
+    name = candidate_name(kept)
+    return "".join(f" {t['sets'][name]['ms']:.1f} ms ({t['sets'][name]['ratio']:.2f}) |" if name in t["sets"]
+                   else " - |" for t in timing)
+
+
 def markdown(record: dict) -> str:
     """layer_selection.md: the frontier (held-out scores and forward times), then the full runs."""
     metric = record.get("headline_metric", "score")
@@ -389,10 +398,8 @@ def markdown(record: dict) -> str:
              f"(held-out part of the training data: {record.get('control_score', float('nan')):.4f}).", "",
              head, "| --- | ---: | ---: |" + " ---: |" * len(timing)]
     for row in record.get("frontier", []):
-        name = candidate_name(row["kept"])
-        cells = "".join(f" {t['sets'][name]['ms']:.1f} ms ({t['sets'][name]['ratio']:.2f}) |" if name in t["sets"]
-                        else " - |" for t in timing)
-        lines.append(f"| {row['kept'] or 'none'} | {row['score']:.4f} | {_pct(row['pct_of_control'])} |{cells}")
+        lines.append(f"| {row['kept'] or 'none'} | {row['score']:.4f} | {_pct(row['pct_of_control'])} |"
+                     + _time_cells(row["kept"], timing))
     if timing:
         lines += ["", "Original: " + ", ".join(f"{t['original_ms']:.1f} ms at {t['tokens']:,} tokens" for t in timing)
                   + f" ({timing[0]['device']}, random weights, median of 3)."]
@@ -403,9 +410,11 @@ def markdown(record: dict) -> str:
                   + ", ".join(f"{r['layer']} ({r['restored_score']:.4f})" for r in record["ranking"]) + "."]
     if record.get("attempts"):
         lines += ["", f"Full runs (reported split; the control's full run: {record.get('control_full_score', 0):.4f}):",
-                  "", f"| kept softmax | {metric} | % of control |", "| --- | ---: | ---: |"]
+                  "", f"| kept softmax | {metric} | % of control |" + "".join(
+                      f" forward at {t['tokens']:,} tokens (x original) |" for t in timing),
+                  "| --- | ---: | ---: |" + " ---: |" * len(timing)]
         lines += [f"| {a['kept'] or 'none'} | {a['score']:.4f} | {_pct(a['pct_of_control'])} |"
-                  for a in record["attempts"]]
+                  + _time_cells(a["kept"], timing) for a in record["attempts"]]
     if "verified" in record:
         lines += ["", f"Chosen: keep softmax {record['chosen'] or 'none'}; "
                   + ("reaches" if record["verified"] else "misses") + " the target on the reported split."]
