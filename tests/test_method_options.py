@@ -175,3 +175,21 @@ def test_an_lra_encoder_validates_its_options_once_for_all_its_blocks(count_vali
     layers = [block.attention.linear for block in model.blocks]
     assert len(layers) > 1 and count_validations[0] == 1
     assert all(layer.options is layers[0].options for layer in layers) and layers[0].options.projections == 4
+
+
+def test_compare_validates_each_methods_options_once_for_all_its_runs(tmp_path, count_validations, monkeypatch):
+    from luna_convert.run import compare
+
+    class Stop(Exception):
+        pass
+
+    def first_run(cfg, console=None):
+        cfg.check_runnable()  # what run_conversion does first
+        assert type(cfg.attention_options()) is LunaOptions and cfg.attention_options().projections == 4
+        raise Stop
+
+    monkeypatch.setattr(compare, "run_conversion", first_run)
+    config = RunConfig(model="some-model", task="sst2", method="luna", method_options={"projections": 4})
+    with pytest.raises(Stop):
+        compare.run_compare(config, ["luna"], [0, 1], tmp_path / "cmp", control=False)
+    assert count_validations[0] == 1  # checked before any run starts; the run's config is a copy of that one

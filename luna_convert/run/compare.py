@@ -52,10 +52,12 @@ def run_compare(config: RunConfig, methods: list[str], seeds: list[int], folder:
     if config.keep_softmax_layers == AUTO_LAYERS:
         raise LunaConvertError("compare runs every method with the same layers kept softmax: choose them per method "
                                "with `luna-convert run --keep-softmax-layers auto`, then pass the list")
+    checked = {}  # method -> its runs' config, its options validated once here (each run gets a copy)
     for method in methods:
         get_method(method)  # an unknown name fails before any run starts
         # so does an option the method refuses (e.g. a window for a kernel method): its run's config is checked
-        replace(copy.deepcopy(config), method=method, method_options=options_for(config, method)).validate()
+        checked[method] = replace(copy.deepcopy(config), method=method, method_options=options_for(config, method))
+        checked[method].validate()
     if not seeds:
         raise LunaConvertError("compare needs at least one seed (--seeds 0,1,2)")
     say = console.print if console is not None else (lambda *a, **k: None)
@@ -69,8 +71,9 @@ def run_compare(config: RunConfig, methods: list[str], seeds: list[int], folder:
                 results = RunResults.read(run_dir / RESULTS_FILE)
             else:
                 # a copy: each run fills in its own settings (the method's recipe, own-data choices)
-                cfg = replace(copy.deepcopy(config), method=method, seed=seed, run_dir=str(run_dir), overwrite=True)
-                cfg.method_options = options_for(config, method)
+                cfg = copy.deepcopy(checked.get(method) or replace(config, method=method,
+                                                                   method_options=options_for(config, method)))
+                cfg.seed, cfg.run_dir, cfg.overwrite = seed, str(run_dir), True
                 dropped = sorted(set(config.method_options) - set(cfg.method_options))
                 if dropped and method != CONTROL_METHOD:
                     say(f"{method}: method_options {', '.join(dropped)} are {config.method}'s own, not given to "
