@@ -356,6 +356,19 @@ def time_frontier(config: RunConfig, record: dict, repeats: int = 3, warmup: int
     model = load(Path(frontier[0]["run_dir"]) / MODEL_DIR)
     own_tokens = own_length(model, config)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # On the CPU: one thread and its CPU time, as `luna-convert bench --threads 1 --timer cpu` (a shared machine's
+    # other work leaves the figures alone)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return _time_sets(config, model, sets, own_tokens, device, repeats, warmup)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_sets(config: RunConfig, model, sets: list[list[int]], own_tokens: int, device, repeats: int,
+               warmup: int) -> list[dict]:
     rows = []
     for n in [own_tokens, *config.layer_selection.time_lengths]:
         built = long_copies(model, n)
@@ -368,9 +381,10 @@ def time_frontier(config: RunConfig, record: dict, repeats: int = 3, warmup: int
             hybrid = copy.deepcopy(original)
             convert(hybrid, config.method, keep_softmax_layers=kept, **config.method_options)
             fns[candidate_name(kept)] = inference_fn(hybrid.to(device), {k: v.to(device) for k, v in inputs.items()})
-        times = round_robin(fns, Clock(device), repeats, warmup)
+        times = round_robin(fns, Clock(device, cpu_time=True), repeats, warmup)
         base = median_ms(times["original"])
-        rows.append({"tokens": tokens, "original_ms": base, "device": str(device),
+        clock = "CUDA events" if device.type == "cuda" else "one CPU thread, its CPU time"
+        rows.append({"tokens": tokens, "original_ms": base, "device": str(device), "clock": clock,
                      "sets": {name: {"ms": median_ms(t), "ratio": median_ms(t) / base}
                               for name, t in times.items() if name != "original"}})
         del fns, original
@@ -402,7 +416,7 @@ def markdown(record: dict) -> str:
                      + _time_cells(row["kept"], timing))
     if timing:
         lines += ["", "Original: " + ", ".join(f"{t['original_ms']:.1f} ms at {t['tokens']:,} tokens" for t in timing)
-                  + f" ({timing[0]['device']}, random weights, median of 3)."]
+                  + f" ({timing[0]['device']}, {timing[0].get('clock', 'wall clock')}, random weights, median of 3)."]
     skipped = [t["skipped"] for t in record.get("timing") or [] if "skipped" in t]
     lines += [f"Not timed: {skipped[0]}."] if skipped else []
     if record.get("ranking"):
