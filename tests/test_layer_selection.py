@@ -109,6 +109,7 @@ def test_the_search_grows_the_kept_set_in_rank_order_and_the_full_run_adds_a_lay
     assert [r["layer"] for r in record["ranking"]] == [2, 0, 3, 1] and scored == ["keep-none"]
     assert "up to L + 1 (L: the model's attention layers) candidate runs" in lines[0]  # the cost, before any run
     assert any("4 attention layers, 4 converted: at most 3 more candidate runs" in line for line in lines)
+    assert any("the original model scores 0.8000 on the held-out part" in line for line in lines)
     results = selection.verify(record["chosen"])
     assert runs.calls[-3:] == [("control", "full"), ((0, 2), "full"), ((0, 2, 3), "full")]
     assert any("below the target on the reported split" in line and "adding layer 3" in line for line in lines)
