@@ -365,26 +365,28 @@ def _distinct_rows(knots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # The native passes as registered operators (schema, fake output, autograd): what compiled and exported graphs
 # call. They take the knots and the whole tables, and find the grid themselves (``operator_grid``): its size
 # depends on the knots' values, which a graph's shapes cannot. Eager code calls the passes directly.
-_OPERATOR_GRIDS: list = []  # (knots, (rows, grid)) of the last few knot vectors the operators were given
-_OPERATOR_GRIDS_KEPT = 4
+_OPERATOR_GRIDS: dict = {}  # the knots' bytes -> (rows, grid), the latest used last
+_OPERATOR_GRIDS_KEPT = 64  # every layer's bank of a large model (the maker ``luna_rows`` finds them in eager code too)
 
 
 def operator_grid(knots: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     """For sorted float32 knots [K]: the table rows (int64) of the intervals between the distinct knots and
     their native grid (a ``KnotLocator.grid``), the one eager code builds; kept for the same knots (a compiled
-    forward's queries and keys and its backward). Where the knots crowd every grid, one cell holds them all:
-    a longer search, the same intervals."""
-    knots = knots.detach().contiguous()
-    for kept, found in _OPERATOR_GRIDS:
-        if _same_bits(kept, knots):
-            return found
-    distinct, rows = _distinct_rows(knots)
-    grid = KnotLocator(distinct, True, native_cells).grid
-    if grid is None:
-        grid = ("linear", 0.0, 0.0, 1, torch.zeros(1, dtype=torch.int32), distinct[:, None].contiguous())
-    _OPERATOR_GRIDS.insert(0, (knots.clone(), (rows, grid)))
-    del _OPERATOR_GRIDS[_OPERATOR_GRIDS_KEPT:]
-    return rows, grid
+    forward's queries and keys and its backward, every call of a layer). Where the knots crowd every grid, one
+    cell holds them all: a longer search, the same intervals."""
+    knots = knots.detach().to(torch.float32).contiguous()
+    key = ctypes.string_at(knots.data_ptr(), knots.nbytes)  # a hash of ~2 KB: no compare per kept grid
+    found = _OPERATOR_GRIDS.pop(key, None)
+    if found is None:
+        distinct, rows = _distinct_rows(knots)
+        grid = KnotLocator(distinct, True, native_cells).grid
+        if grid is None:
+            grid = ("linear", 0.0, 0.0, 1, torch.zeros(1, dtype=torch.int32), distinct[:, None].contiguous())
+        found = rows, grid
+        while len(_OPERATOR_GRIDS) >= _OPERATOR_GRIDS_KEPT:
+            _OPERATOR_GRIDS.pop(next(iter(_OPERATOR_GRIDS)), None)
+    _OPERATOR_GRIDS[key] = found
+    return found
 
 
 @torch.library.custom_op("luna_convert::luna_channel_features", mutates_args=(), device_types="cpu")
@@ -572,14 +574,29 @@ def channel_feature_rows(psi, *xs: torch.Tensor, weight: torch.Tensor | None = N
                          scale: float = 1.0, norm_eps: float | None = None) -> tuple[products.ProducedRows, ...] | None:
     """``channel_features_of(psi, u)`` of each of ``xs``, u = x W^T + b (``weight`` [M, d] and ``bias`` [M] given)
     or u = x [B, H, N, M], flattened to [B, H, N, M L], as ``ops.products.ProducedRows``: the features made in
-    blocks inside the core's products and never stored; one set of tables for all. Where
-    ``feature_rows_apply`` holds; None when the knots are too crowded for the native grid."""
-    (slope, intercept), (_, locate) = _prepared(psi, torch.float32, float(scale), xs[0].device, native=True)
-    if locate.grid is None:
-        return None
-    weight_t = None if weight is None else weight.t().contiguous()
-    bias = None if bias is None else bias.contiguous()
-    return tuple(native_feature_rows(x, weight_t, bias, slope, intercept, locate.grid, norm_eps) for x in xs)
+    blocks inside the core's products and never stored; one set of tables for all, with their knots (the maker
+    ``luna_rows`` finds the grid from them). Where ``feature_rows_apply`` holds; in eager code None when the
+    knots are too crowded for the native grid (compiled code takes the operators' one-cell grid)."""
+    if torch.compiler.is_compiling():  # the graph's tables, the grid built in the made-rows operators
+        slope, intercept, knots = graph_tables(psi, float(scale))
+    else:
+        (slope, intercept), (_, locate) = _prepared(psi, torch.float32, float(scale), xs[0].device, native=True)
+        if locate.grid is None:
+            return None
+        knots = locate.knots  # the distinct knots: the tables' rows are their intervals
+    weight_t = None if weight is None else weight.t()
+    return tuple(native_feature_rows(x, weight_t, bias, slope, intercept, knots, norm_eps) for x in xs)
+
+
+def _build_luna_rows(tensors, ints, floats, source) -> products.BuiltRows:
+    """The maker ``luna_rows`` from a run's (x, W^T or None, b or None, slope, intercept, knots) and eps."""
+    x, weight_t, bias, slope, intercept, knots = tensors
+    rows, grid = operator_grid(knots)
+    return luna_native.built_feature_rows(x, weight_t, bias, slope.index_select(0, rows),
+                                          intercept.index_select(0, rows), grid, floats[0])
+
+
+products.register_maker("luna_rows", (6, 0, 1), _build_luna_rows)
 
 
 def projected_channel_features_of(psi, weight: torch.Tensor, bias: torch.Tensor, *xs: torch.Tensor, scale: float = 1.0,

@@ -258,7 +258,7 @@ class ProducedRows:
     (``built``): by eager code just before its C call, and inside the operators ``luna_convert::produced_product``
     and ``luna_convert::produced_transposed_product`` in compiled and exported graphs, from the tensors the graph
     hands them then, so that no data pointer, stride or function address is ever a constant of a graph (a schema
-    cannot hold a pointer). ``prebuilt``: rows built from data pointers at once (``made_by``), eager only."""
+    cannot hold a pointer)."""
 
     maker: str
     shape: tuple
@@ -266,7 +266,6 @@ class ProducedRows:
     ints: tuple = ()
     floats: tuple = ()
     source: "ProducedRows | None" = None
-    prebuilt: BuiltRows | None = None
 
     def chain(self) -> list["ProducedRows"]:
         """This rows' makers, the innermost (the one that reads memory) first."""
@@ -275,19 +274,11 @@ class ProducedRows:
     def arguments(self) -> tuple[str, list, list, list]:
         """(makers, tensors, ints, floats): the chain as the operators take it (``build_rows`` reads it back)."""
         chain = self.chain()
-        if any([rows.prebuilt is not None for rows in chain]):
-            raise RuntimeError(f"rows built from data pointers ({self.maker}, ProducedRows.made_by) are for eager "
-                               "code only: no graph can hold them")
         return (",".join([rows.maker for rows in chain]), [t for rows in chain for t in rows.tensors],
                 [i for rows in chain for i in rows.ints], [f for rows in chain for f in rows.floats])
 
     def built(self) -> BuiltRows:
-        return self.prebuilt if self.prebuilt is not None else build_rows(*self.arguments())
-
-    @classmethod
-    def made_by(cls, lib: native.NativeFunctions, maker: str, shape, keep: tuple, **state_args) -> "ProducedRows":
-        """Rows built now from ``state_args`` (data pointers; eager code only): ``made(lib, maker, keep, ...)``."""
-        return cls(maker, tuple(shape), prebuilt=made(lib, maker, keep, **state_args))
+        return build_rows(*self.arguments())
 
 
 def made(lib: native.NativeFunctions, maker: str, keep: tuple, **state_args) -> BuiltRows:
