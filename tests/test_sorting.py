@@ -263,3 +263,26 @@ def test_native_gradients_do_not_depend_on_the_default_dtype(monkeypatch):
     for a, b in zip(got, want):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@needs_native
+@pytest.mark.parametrize("matern", [False, True])
+def test_native_pass_and_gradients_equal_the_named_reference(matern):
+    """sorting_native's passes against ``sorting_attention_reference`` (the explicit N x N form beside the
+    operator) in float64: values and the gradients of every input."""
+    g = torch.Generator().manual_seed(21)
+    x, y = torch.randn(2, 3, 4, 19, generator=g), torch.randn(2, 3, 4, 19, generator=g)
+    v, w, c0 = torch.randn(2, 3, 19, 5, generator=g), torch.rand(3, 4, generator=g), torch.rand(3, generator=g)
+    mask = torch.ones(2, 19, dtype=torch.bool)
+    mask[1, 13:] = False
+    grad_out = torch.randn(2, 3, 19, 5, generator=g)
+
+    def run(function, dtype):
+        inputs = [t.to(dtype).requires_grad_() for t in (x, y, v, w, c0)]
+        out = function(*inputs[:3], mask, *inputs[3:], matern, 1e-6)
+        return [out, *torch.autograd.grad(out, inputs, grad_out.to(dtype))]
+
+    fast = run(sorting_native.sorting_kernel_attention, torch.float32)
+    want = run(sorting_native.sorting_attention_reference, torch.float64)
+    for got, expected in zip(fast, want):
+        torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-5 * float(expected.abs().max()))

@@ -138,6 +138,18 @@ def _backward(grad_out, x, y, v, keep, w, c0, out, den, matern):
     return grad_x, grad_y, grad_v, grad_w.sum(0), grad_c0.sum(0)
 
 
+def sorting_attention_reference(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                                w: torch.Tensor, c0: torch.Tensor, matern: bool, eps: float) -> torch.Tensor:
+    """``sorting_kernel_attention`` in its explicit N x N form (kappa(t) = exp(-|t|), or (1 + |t|) exp(-|t|) for
+    matern): the reference of ``luna_convert::sorting_attention``, in the inputs' dtype, quadratic in memory."""
+    t = (x[..., :, None] - y[..., None, :]).abs()  # [B, H, R, Nq, N]
+    profile = torch.exp(-t) if not matern else (1 + t) * torch.exp(-t)
+    k = c0[None, :, None, None] + torch.einsum("hr,bhrqn->bhqn", w, profile)
+    if key_mask is not None:
+        k = k * key_mask[:, None, None, :].to(k.dtype)
+    return (k @ v) / (k.sum(-1, keepdim=True) + eps)
+
+
 # The passes as registered operators (schema, fake outputs, autograd): what compiled and exported graphs call.
 # The forward returns the denominators too, which its backward reads. Eager code calls the passes directly.
 @torch.library.custom_op("luna_convert::sorting_attention", mutates_args=(), device_types="cpu")
