@@ -357,3 +357,45 @@ def test_compiled_hedgehog_training_calls_the_softmax_pair_operators():
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-4 * max(1.0, b.abs().max().item()))
 
+
+
+def test_stabilised_exp_operator_registration_values_and_gradients():
+    from luna_convert.ops import exp_rows
+
+    if not exp_rows.available():
+        pytest.skip(exp_rows.status())
+    g = torch.Generator().manual_seed(11)
+    x = 3 * torch.randn(6, 9, 20, generator=g)
+    shift = x.amax(dim=(1, 2)) + 1.5  # keys: one stabiliser per group
+    for case in ((x, None, 1.5), (x, shift, 0.0)):
+        torch.library.opcheck(exp_rows.stabilised_exp_op, (case[0].clone().requires_grad_(), *case[1:]))
+        leaf, leaf64 = case[0].clone().requires_grad_(), case[0].double().requires_grad_()
+        got = exp_rows.stabilised_exp_op(leaf, case[1], case[2])
+        want = exp_rows.stabilised_exp_reference(leaf64, None if case[1] is None else case[1].double(), case[2])
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+        weights = torch.linspace(-1, 1, got.numel(), dtype=torch.float64).view_as(want)
+        (grad,) = torch.autograd.grad((got * weights.float()).sum(), leaf)
+        (want_grad,) = torch.autograd.grad((want * weights).sum(), leaf64)  # the shift held fixed: no gradient
+        torch.testing.assert_close(grad.double(), want_grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["performer", "flexformer"])
+def test_compiled_random_features_training_calls_the_stabilised_exp(method):
+    layer = LinearAttention(method, 16, 2, 0.25)
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(3))
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, 31:] = False
+    forward_graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=_recording_backend(forward_graphs, []), fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    compiled(*leaves, mask).square().sum().backward()
+    forward_ops = _graph_operators(forward_graphs)
+    assert forward_ops.count("luna_convert.stabilised_exp.default") == 2, forward_ops  # queries and keys
+    got = [t.grad for t in leaves]
+    reference = [t.double().requires_grad_() for t in (q, k, v)]
+    with native.reference_kernels():
+        layer.double()(*reference, mask).square().sum().backward()
+    for a, b in zip(got, [t.grad for t in reference]):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-4 * max(1.0, b.abs().max().item()))

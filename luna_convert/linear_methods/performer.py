@@ -108,6 +108,11 @@ def positive_random_features(x: torch.Tensor, weight: torch.Tensor, context: Att
         logits = torch.baddbmm(half_sq_norm, x, weight)  # [BH, n, m]
         if exp_rows.applies(logits):  # eager, float32 on the CPU
             return _StabilisedExp.apply(logits, is_key, real is not None).view(b, h, n, m)
+        if torch.compiler.is_compiling() and exp_rows.takes(logits):  # the same passes as an operator
+            with torch.no_grad():
+                shift = _stabiliser(logits.detach(), True, real is not None) if is_key else None
+            features = exp_rows.stabilised_exp_op(logits, shift, 0.5 * math.log(m))
+            return features.view(b, h, n, m)
         with torch.no_grad():  # the stabilisers cancel exactly: no gradient (which also lets exp run in place)
             shift = _stabiliser(logits, is_key, real is not None)
         return logits.sub_(shift).exp_().view(b, h, n, m)
@@ -165,7 +170,8 @@ def _stabiliser(logits: torch.Tensor, is_key: bool, padded: bool) -> torch.Tenso
 class _StabilisedExp(torch.autograd.Function):
     """exp(logits - _stabiliser(logits)) in place, the exps one native pass per row (``ops.exp_rows``; the max, the
     subtraction and exp were three passes), a query's max found in the same pass. The stabilisers pass no
-    gradient, so the gradient is grad * features. (Eager only: dynamo does not trace ``mark_dirty``.)"""
+    gradient, so the gradient is grad * features. (Eager only: dynamo does not trace ``mark_dirty``; compiled
+    graphs call ``exp_rows.stabilised_exp_op``, the same passes into a fresh tensor.)"""
 
     @staticmethod
     def forward(ctx, logits, is_key: bool, padded: bool):

@@ -73,7 +73,7 @@ def takes(*tensors: torch.Tensor) -> bool:
 
 def applies(*tensors: torch.Tensor) -> bool:
     """``takes``, in eager code: the in-place exps' caller (Performer's stabilised exp) is an autograd.Function
-    that marks its input dirty, which dynamo does not trace, so compiled code takes its PyTorch path."""
+    that marks its input dirty, which dynamo does not trace; compiled graphs call ``stabilised_exp_op``."""
     return not torch.compiler.is_compiling() and takes(*tensors)
 
 
@@ -296,3 +296,37 @@ def _softmax_pair_gradient(ctx, grad):
 
 softmax_pair_op.register_autograd(_softmax_pair_gradient, setup_context=_softmax_pair_context)
 
+
+
+@torch.library.custom_op("luna_convert::stabilised_exp", mutates_args=(), device_types="cpu")
+def stabilised_exp_op(x: torch.Tensor, shift: torch.Tensor | None, offset: float) -> torch.Tensor:
+    """exp(x - shift) for x [G, R, W] and one shift per group (``exp_minus_shift_``), or with ``shift`` None
+    exp(x - its row's max - offset) (``exp_minus_row_max_``), natively, into a fresh tensor: what compiled
+    graphs call for the random features' exps (eager code runs the in-place passes on its own logits)."""
+    out = x.contiguous().clone()
+    return exp_minus_row_max_(out, offset) if shift is None else exp_minus_shift_(out, shift.contiguous())
+
+
+def stabilised_exp_reference(x: torch.Tensor, shift: torch.Tensor | None, offset: float) -> torch.Tensor:
+    """``luna_convert::stabilised_exp`` in PyTorch ops (its reference); the max, a stabiliser, held fixed."""
+    if shift is None:
+        return (x - x.amax(-1, keepdim=True).detach() - offset).exp()
+    return (x - shift.reshape(-1, 1, 1)).exp()
+
+
+@stabilised_exp_op.register_fake
+def _stabilised_exp_shape(x, shift, offset):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _stabilised_exp_context(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _stabilised_exp_gradient(ctx, grad):
+    """The shift (a stabiliser that cancels in the normalised weights) passes no gradient: grad * features."""
+    (features,) = ctx.saved_tensors
+    return grad * features, None, None
+
+
+stabilised_exp_op.register_autograd(_stabilised_exp_gradient, setup_context=_stabilised_exp_context)
