@@ -265,3 +265,26 @@ def test_fake_outputs_promise_the_real_layouts():
             fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
         for r, f in zip(real if isinstance(real, tuple) else (real,), fake if isinstance(fake, tuple) else (fake,)):
             assert (r.shape, r.stride()) == (f.shape, f.stride()), op
+
+
+@pytest.mark.parametrize("eps", [-1.0, FEATURE_NORM_EPS])
+def test_channel_operators_equal_their_named_references(eps):
+    """The operators against the table form beside them (``luna_kernel.luna_channel_features_reference``,
+    searchsorted instead of the grid) in float64, on the same tables: values and every gradient."""
+    psi = bank(4, 4, "random")
+    slope, intercept, knots = (t.detach() for t in luna_kernel.graph_tables(psi, 0.5))
+    g = torch.Generator().manual_seed(6)
+    u, x = 3 * torch.randn(2, 3, 13, 5, generator=g), torch.randn(2, 3, 13, 4, generator=g)
+    weight_t, bias = torch.randn(4, 5, generator=g), torch.randn(5, generator=g)
+    grad = torch.randn(2, 3, 13, 5, 4, generator=g)
+    for operator, reference, inputs in (
+            (luna_kernel.channel_features_op, luna_kernel.luna_channel_features_reference, (u,)),
+            (luna_kernel.projected_channel_features_op, luna_kernel.luna_projected_channel_features_reference,
+             (x, weight_t, bias))):
+        results = []
+        for dtype, function in ((torch.float32, operator), (torch.float64, reference)):
+            leaves = [t.to(dtype).requires_grad_() for t in (*inputs, slope, intercept)]
+            out = function(*leaves, knots, eps)
+            results.append([out, *torch.autograd.grad(out, leaves, grad.to(dtype))])
+        for got, want in zip(*results):
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5 * max(1.0, want.abs().max().item()))

@@ -389,6 +389,23 @@ def operator_grid(knots: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     return found
 
 
+def luna_channel_features_reference(u: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor,
+                                    knots: torch.Tensor, eps: float) -> torch.Tensor:
+    """``luna_convert::luna_channel_features`` in PyTorch ops: relu(slope[i] u + intercept[i]) with i the number of
+    knots below u (searchsorted; no grid), each channel divided by its sum over the M projections + eps where
+    eps >= 0. The operator's reference (tests/test_method_operators.py)."""
+    cell = torch.searchsorted(knots.to(u.dtype), u.detach().contiguous(), right=True)
+    features = torch.relu(slope[cell] * u[..., None] + intercept[cell])
+    return features if eps < 0 else features / (features.sum(-2, keepdim=True) + eps)
+
+
+def luna_projected_channel_features_reference(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor,
+                                              slope: torch.Tensor, intercept: torch.Tensor, knots: torch.Tensor,
+                                              eps: float) -> torch.Tensor:
+    """``luna_convert::luna_projected_channel_features`` in PyTorch ops: the channels of u = x W^T + b."""
+    return luna_channel_features_reference(x @ weight_t + bias, slope, intercept, knots, eps)
+
+
 @torch.library.custom_op("luna_convert::luna_channel_features", mutates_args=(), device_types="cpu")
 def channel_features_op(u: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor, knots: torch.Tensor,
                         eps: float) -> torch.Tensor:
