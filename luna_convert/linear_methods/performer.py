@@ -110,7 +110,7 @@ def positive_random_features(x: torch.Tensor, weight: torch.Tensor, context: Att
             return _StabilisedExp.apply(logits, is_key, real is not None).view(b, h, n, m)
         if torch.compiler.is_compiling() and exp_rows.takes(logits):  # the same passes as an operator
             with torch.no_grad():
-                shift = _stabiliser(logits.detach(), True, real is not None) if is_key else None
+                shift = _stabiliser(logits, True, real is not None) if is_key else None
             features = exp_rows.stabilised_exp_op(logits, shift, 0.5 * math.log(m))
             return features.view(b, h, n, m)
         with torch.no_grad():  # the stabilisers cancel exactly: no gradient (which also lets exp run in place)

@@ -303,7 +303,7 @@ def stabilised_exp_op(x: torch.Tensor, shift: torch.Tensor | None, offset: float
     """exp(x - shift) for x [G, R, W] and one shift per group (``exp_minus_shift_``), or with ``shift`` None
     exp(x - its row's max - offset) (``exp_minus_row_max_``), natively, into a fresh tensor: what compiled
     graphs call for the random features' exps (eager code runs the in-place passes on its own logits)."""
-    out = x.contiguous().clone()
+    out = x.clone(memory_format=torch.contiguous_format)  # one copy, whatever x's layout
     return exp_minus_row_max_(out, offset) if shift is None else exp_minus_shift_(out, shift.contiguous())
 
 
