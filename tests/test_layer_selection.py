@@ -249,3 +249,31 @@ def test_restoring_a_layer_to_softmax_is_the_model_converted_with_that_layer_kep
         assert value == pytest.approx(logits_of(kept, inputs).double().sum().item(), rel=1e-4)
     linear = logits_of(model, inputs).double().sum().item()
     assert sorted(restored) == [0, 1] and all(v != pytest.approx(linear, rel=1e-2) for v in restored.values())
+
+
+def test_the_control_and_the_timed_hybrids_take_the_runs_validated_options(tmp_path, monkeypatch):
+    """The control is the config's own control copy; the timed hybrids get the run's one options object
+    (``RunConfig.attention_options()``) and convert's keywords, never the option dict to validate again."""
+    from luna_convert.conversion import convert
+    from conftest import make_bert
+
+    config = RunConfig(model="m", task="sst2", method="luna", keep_softmax_layers="auto",
+                       method_options={"projections": 4, "convert_local_layers": True})
+    config.layer_selection.time_lengths = []
+    control = Selection(config, tmp_path, print, None).candidate_config(None, "softmax")
+    assert (control.method, control.method_options, control.keep_softmax_layers) == ("softmax", {}, [])
+    assert control.attention_options() is None and config.method_options["projections"] == 4
+    given = []
+
+    def spy(model, method, **kwargs):
+        given.append(kwargs)
+        return convert(model, method, **kwargs)
+
+    monkeypatch.setattr(layer_selection, "convert", spy)
+    monkeypatch.setattr(layer_selection, "load", lambda path: make_bert())
+    rows = layer_selection.time_frontier(config, {"frontier": [{"kept": [0], "run_dir": str(tmp_path)}]},
+                                         repeats=1, warmup=0)
+    assert [set(r["sets"]) for r in rows] == [{"keep-0"}]
+    assert len(given) == 1 and given[0]["options"] is config.attention_options()
+    assert given[0]["options"].projections == 4 and "projections" not in given[0]
+    assert given[0]["convert_local_layers"] is True and given[0]["keep_softmax_layers"] == [0]

@@ -71,15 +71,12 @@ def run_compare(config: RunConfig, methods: list[str], seeds: list[int], folder:
                 results = RunResults.read(run_dir / RESULTS_FILE)
             else:
                 # a copy: each run fills in its own settings (the method's recipe, own-data choices)
-                cfg = copy.deepcopy(checked.get(method) or replace(config, method=method,
-                                                                   method_options=options_for(config, method)))
+                cfg = config.control() if method == CONTROL_METHOD else copy.deepcopy(checked[method])
                 cfg.seed, cfg.run_dir, cfg.overwrite = seed, str(run_dir), True
                 dropped = sorted(set(config.method_options) - set(cfg.method_options))
                 if dropped and method != CONTROL_METHOD:
                     say(f"{method}: method_options {', '.join(dropped)} are {config.method}'s own, not given to "
                         f"{method} (set them with --methods {config.method} alone)")
-                if method == CONTROL_METHOD:
-                    cfg.keep_softmax_layers = []  # the control converts nothing
                 say(f"[bold]{method}[/] seed {seed} -> {run_dir}")
                 results = run_conversion(cfg, console=console)
             runs.setdefault(method, []).append(results)

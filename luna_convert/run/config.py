@@ -9,7 +9,7 @@ config.json's content. Recipes and ``--set`` overrides are read in :mod:`.recipe
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any, Iterator, Mapping
 
 from ..errors import LunaConvertError, check_peft_available, unknown_name
@@ -235,6 +235,11 @@ class RunConfig:
         if self.__dict__.get("_options_key") != key:
             self._options, self._options_key = resolve_options(self.method, given), key
         return self._options
+
+    def control(self) -> RunConfig:
+        """A copy of this config as the softmax control (same data and budget, nothing converted): what
+        ``compare`` and the layer selection run as their control."""
+        return replace(copy.deepcopy(self), method=CONTROL_METHOD, method_options={}, keep_softmax_layers=[])
 
     def convert_keywords(self) -> dict[str, Any]:
         """The keywords of convert() itself given in ``method_options`` (``convert_local_layers``)."""

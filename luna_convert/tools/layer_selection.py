@@ -40,7 +40,7 @@ from ..folder_layout import CONFIG_FILE, MODEL_DIR, RESULTS_FILE, SELECTION_DIR,
 from ..layers.attention import AttentionMode, attention_mode
 from ..metrics import headline_metric, recovered_pct
 from ..model_building import TIMM_ARGS_ATTR, create_timm_model, timm_create_args
-from ..run.config import AUTO_LAYERS, CONTROL_METHOD, RunConfig
+from ..run.config import AUTO_LAYERS, RunConfig
 from ..run.model_card import write_model_card
 from ..run import pipeline
 from ..run.pipeline import check_run_folder, clear_run_folder, distill_steps, evaluate_model, new_run_dir
@@ -80,11 +80,11 @@ class Selection:
     # ------------------------------------------------------------ runs
     def candidate_config(self, kept: list[int] | None, name: str, full: bool = False) -> RunConfig:
         """A copy of the search's config for one run: ``kept`` None is the softmax control."""
-        cfg = replace(copy.deepcopy(self.config), run_dir=str(self.folder / name), overwrite=True)
         if kept is None:
-            cfg.method, cfg.method_options, cfg.keep_softmax_layers = CONTROL_METHOD, {}, []
+            cfg = self.config.control()
         else:
-            cfg.keep_softmax_layers = list(kept)
+            cfg = replace(copy.deepcopy(self.config), keep_softmax_layers=list(kept))
+        cfg.run_dir, cfg.overwrite = str(self.folder / name), True
         cfg.selection = None if full else {"role": "candidate", "holdout": self.settings.holdout}
         return cfg
 
@@ -383,7 +383,8 @@ def _time_sets(config: RunConfig, model, sets: list[list[int]], own_tokens: int,
         fns = {"original": inference_fn(original.to(device), {k: v.to(device) for k, v in inputs.items()})}
         for kept in sets:
             hybrid = copy.deepcopy(original)
-            convert(hybrid, config.method, keep_softmax_layers=kept, **config.method_options)
+            convert(hybrid, config.method, keep_softmax_layers=kept, options=config.attention_options(),
+                    **config.convert_keywords())
             fns[candidate_name(kept)] = inference_fn(hybrid.to(device), {k: v.to(device) for k, v in inputs.items()})
         times = round_robin(fns, Clock(device, cpu_time=True), repeats, warmup)
         base = median_ms(times["original"])
