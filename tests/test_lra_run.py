@@ -15,8 +15,10 @@ from typer.testing import CliRunner
 import luna_convert.engine.training as training
 from luna_convert.cli import app
 from luna_convert.linear_methods.luna import PAPER_OPTIONS
-from luna_convert.lra.config import RECIPE_DIR, load_lra_config
+from luna_convert.linear_methods.luna_options import LunaOptions
+from luna_convert.lra.config import RECIPE_DIR, LRAConfig, load_lra_config
 from luna_convert.lra.model import Attention, EncoderSettings, LRAEncoder, sinusoidal_table
+from luna_convert.lra.train import build_model
 from luna_convert.tools.report import build_report
 
 TINY = ["--set", "data.train_examples=24", "--set", "data.dev_examples=8", "--set", "data.test_examples=8",
@@ -26,7 +28,7 @@ TINY = ["--set", "data.train_examples=24", "--set", "data.dev_examples=8", "--se
 # ------------------------------------------------------------------ the encoder
 def test_softmax_attention_is_the_explicit_formula_and_ignores_padded_keys():
     torch.manual_seed(0)
-    layer = Attention(hidden=8, heads=2, method="softmax", method_options={}, dropout=0.0).double().eval()
+    layer = Attention(hidden=8, heads=2, method="softmax", options=None, dropout=0.0).double().eval()
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
     q, k, v = (x @ layer.qkv.weight.T + layer.qkv.bias).split(8, -1)
@@ -37,13 +39,13 @@ def test_softmax_attention_is_the_explicit_formula_and_ignores_padded_keys():
     torch.testing.assert_close(layer(x, mask), want, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("method, options", [("softmax", {}), ("luna", dict(PAPER_OPTIONS))])
+@pytest.mark.parametrize("method, options", [("softmax", None), ("luna", LunaOptions(**PAPER_OPTIONS))])
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 def test_padding_changes_no_logit(method, options, pooling):
     """An example scores the same alone and padded inside a batch: the mask reaches attention and pooling."""
     torch.manual_seed(0)
     model = LRAEncoder(EncoderSettings(hidden=16, heads=2, ffn=32, pooling=pooling), vocab=20, num_classes=3,
-                       max_length=12, method=method, method_options=options).eval()
+                       max_length=12, method=method, options=options).eval()
     ids = torch.randint(1, 20, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, 7:] = 0
@@ -54,11 +56,32 @@ def test_padding_changes_no_logit(method, options, pooling):
 
 
 def test_luna_runs_in_the_papers_form_through_the_projects_layer():
+    config = LRAConfig(method="luna", method_options={"luna": dict(PAPER_OPTIONS)})
     model = LRAEncoder(EncoderSettings(), vocab=16, num_classes=10, max_length=8, method="luna",
-                       method_options=dict(PAPER_OPTIONS))
+                       options=config.attention_options())
     layer = model.blocks[0].attention.linear
     assert type(layer).__name__ == "LinearAttention" and layer.feature_dim == 64  # D = M L = 8 x 8
     assert {k: model.attention_options()[k] for k in PAPER_OPTIONS} == dict(PAPER_OPTIONS)
+
+
+def test_the_config_resolves_the_methods_options_once_and_the_encoder_takes_only_that_object(monkeypatch):
+    import luna_convert.lra.config as lra_config
+    from luna_convert.linear_methods.registry import resolve_options
+
+    calls = []
+    monkeypatch.setattr(lra_config, "resolve_options", lambda *a: calls.append(a) or resolve_options(*a))
+    config = load_lra_config("listops", overrides={"method": "luna", "method_options.luna.projections": 4})
+    options = config.attention_options()
+    assert type(options) is LunaOptions and options.projections == 4 and len(calls) == 1
+    model = build_model(config, vocab=16, num_classes=10, max_length=8, pair=False)
+    assert len(calls) == 1  # validated once, in the config
+    assert all(block.attention.linear.options is options for block in model.blocks)
+    config.method_options["luna"]["projections"] = 2  # a changed setting is validated again
+    assert config.attention_options().projections == 2 and len(calls) == 2
+    assert load_lra_config("listops").attention_options() is None  # softmax
+    with pytest.raises(TypeError, match="options object"):
+        LRAEncoder(EncoderSettings(), vocab=16, num_classes=10, max_length=8, method="luna",
+                   options=dict(PAPER_OPTIONS))
 
 
 def test_sinusoidal_positions_are_the_textbook_table():
@@ -139,6 +162,16 @@ def test_resume_after_a_crash_ends_where_an_uninterrupted_run_ends(tmp_path, mon
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
     logged = [json.loads(line)["step"] for line in (tmp_path / "crashed" / "train_log.jsonl").read_text().splitlines()]
     assert logged == [1, 2, 3, 4]  # step 3 of the crashed attempt, after its checkpoint, forgotten
+
+
+def test_a_method_option_set_on_the_command_line_reaches_the_encoder(tmp_path):
+    result = run_cli("listops", "--method", "luna", "--max-steps", "1", *TINY, "--set",
+                     "method_options.luna.projections=4", "--cache-dir", str(tmp_path / "cache"),
+                     "--run-dir", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["lra"]["attention_options"]["projections"] == 4  # read off the built layers
+    assert results["config"]["method_options"]["luna"]["projections"] == 4  # as given, by name
 
 
 @pytest.mark.parametrize("args, message", [

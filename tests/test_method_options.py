@@ -168,10 +168,13 @@ def test_a_method_registered_with_other_options_than_declared_is_refused():
 
 
 def test_an_lra_encoder_validates_its_options_once_for_all_its_blocks(count_validations):
+    from luna_convert.lra.config import LRAConfig
     from luna_convert.lra.model import EncoderSettings, LRAEncoder
 
+    config = LRAConfig(method="luna", method_options={"luna": {"projections": 4}})
+    config.check()  # validates the options, as every LRA run's config is
     model = LRAEncoder(EncoderSettings(), vocab=16, num_classes=2, max_length=8, method="luna",
-                       method_options={"projections": 4})
+                       options=config.attention_options())
     layers = [block.attention.linear for block in model.blocks]
     assert len(layers) > 1 and count_validations[0] == 1
     assert all(layer.options is layers[0].options for layer in layers) and layers[0].options.projections == 4
@@ -193,3 +196,23 @@ def test_compare_validates_each_methods_options_once_for_all_its_runs(tmp_path, 
     with pytest.raises(Stop):
         compare.run_compare(config, ["luna"], [0, 1], tmp_path / "cmp", control=False)
     assert count_validations[0] == 1  # checked before any run starts; the run's config is a copy of that one
+
+
+def test_compares_control_is_the_configs_control_copy(tmp_path, monkeypatch):
+    """The control run converts nothing: no method options, no layers kept (``RunConfig.control``)."""
+    from luna_convert.run import compare
+
+    class Stop(Exception):
+        pass
+
+    def first_run(cfg, console=None):
+        assert (cfg.method, cfg.method_options, cfg.keep_softmax_layers) == ("softmax", {}, [])
+        assert cfg.attention_options() is None and cfg.run_dir.endswith("softmax-seed0")
+        raise Stop
+
+    monkeypatch.setattr(compare, "run_conversion", first_run)
+    config = RunConfig(model="some-model", task="sst2", method="luna", method_options={"projections": 4},
+                       keep_softmax_layers=[0])
+    with pytest.raises(Stop):
+        compare.run_compare(config, ["luna"], [0], tmp_path / "cmp")
+    assert config.method_options == {"projections": 4} and config.keep_softmax_layers == [0]

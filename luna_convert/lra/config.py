@@ -12,8 +12,9 @@ import copy
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from ..errors import LunaConvertError, unknown_name
-from ..linear_methods.registry import METHODS, get_method
+from ..errors import ConversionError, LunaConvertError, unknown_name
+from ..linear_methods.options import AttentionOptions
+from ..linear_methods.registry import METHODS, get_method, resolve_options
 from .data import TASKS, task_info
 from .model import SOFTMAX, EncoderSettings
 
@@ -85,8 +86,22 @@ class LRAConfig:
     run_dir: str | None = None
 
     def options(self) -> dict:
-        """The options of this run's method."""
+        """The options of this run's method, as given (by name)."""
         return dict(self.method_options.get(self.method) or {})
+
+    def attention_options(self) -> AttentionOptions | None:
+        """This run's method options validated into the method's options object once (the same object until
+        ``method`` or ``method_options`` change): what every encoder layer is built with. None for softmax."""
+        if self.method == SOFTMAX:
+            return None
+        key = (self.method, repr(self.options()))  # repr: 1, 1.0 and True are different settings
+        if self.__dict__.get("_options_key") != key:
+            try:
+                self._options = resolve_options(self.method, self.options())
+            except ConversionError as e:
+                raise LunaConvertError(f"method_options.{self.method}: {e}") from None
+            self._options_key = key
+        return self._options
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -124,11 +139,7 @@ class LRAConfig:
         for name in self.method_options:
             if name != SOFTMAX and name not in METHODS:
                 raise unknown_name("method in method_options", name, METHODS)
-        if self.method != SOFTMAX:
-            try:
-                get_method(self.method).make_options(**self.options())
-            except (TypeError, ValueError) as e:
-                raise LunaConvertError(f"method_options.{self.method}: {e}") from None
+        self.attention_options()
         self.encoder.check()
         check_counts(self.data)
         if task_info(self.task).generated:

@@ -19,7 +19,6 @@ from torch import nn
 from ..layers.attention import LinearAttention
 from ..errors import LunaConvertError
 from ..linear_methods.options import AttentionOptions
-from ..linear_methods.registry import resolve_options
 
 SOFTMAX = "softmax"
 POOLINGS = ("mean", "cls")
@@ -66,18 +65,15 @@ def sinusoidal_table(length: int, dim: int) -> torch.Tensor:
 class Attention(nn.Module):
     """Multi-head self-attention over [B, N, C] with a key mask; the core is softmax or ``LinearAttention``."""
 
-    def __init__(self, hidden: int, heads: int, method: str, method_options: AttentionOptions | dict | None,
-                 dropout: float):
+    def __init__(self, hidden: int, heads: int, method: str, options: AttentionOptions | None, dropout: float):
         super().__init__()
         self.heads, self.head_dim = heads, hidden // heads
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.out = nn.Linear(hidden, hidden)
         self.dropout = dropout
-        # the method's options object (validated once, shared by every block), or its options by name
-        given = ({"options": method_options} if isinstance(method_options, AttentionOptions)
-                 else dict(method_options or {}))
+        # options: the run's options object (LRAConfig.attention_options, validated once, shared by every block)
         self.linear = None if method == SOFTMAX else LinearAttention(
-            method, self.head_dim, heads, self.head_dim**-0.5, **given)
+            method, self.head_dim, heads, self.head_dim**-0.5, options=options)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         b, n, c = x.shape
@@ -93,10 +89,10 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm: x + attention(LN(x)), then x + FFN(LN(x))."""
 
-    def __init__(self, s: EncoderSettings, method: str, method_options: AttentionOptions | dict | None):
+    def __init__(self, s: EncoderSettings, method: str, options: AttentionOptions | None):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(s.hidden), nn.LayerNorm(s.hidden)
-        self.attention = Attention(s.hidden, s.heads, method, method_options, s.dropout)
+        self.attention = Attention(s.hidden, s.heads, method, options, s.dropout)
         self.ffn = nn.Sequential(nn.Linear(s.hidden, s.ffn), nn.GELU(), nn.Dropout(s.dropout), nn.Linear(s.ffn, s.hidden))
         self.drop = nn.Dropout(s.dropout)
 
@@ -106,13 +102,17 @@ class Block(nn.Module):
 
 
 class LRAEncoder(nn.Module):
-    """``LRAEncoder(settings, vocab, num_classes, max_length, method, method_options, pair)``; ``forward`` takes a
-    batch's ``input_ids`` and ``attention_mask`` (and ``pair_ids``, ``pair_mask`` for pairs) and returns logits."""
+    """``LRAEncoder(settings, vocab, num_classes, max_length, method, options, pair)``: ``options`` the method's
+    options object (``LRAConfig.attention_options()``; None: softmax, or the method's defaults); ``forward`` takes
+    a batch's ``input_ids`` and ``attention_mask`` (and ``pair_ids``, ``pair_mask`` for pairs) and returns logits."""
 
     def __init__(self, settings: EncoderSettings, vocab: int, num_classes: int, max_length: int,
-                 method: str = SOFTMAX, method_options: dict | AttentionOptions | None = None, pair: bool = False):
+                 method: str = SOFTMAX, options: AttentionOptions | None = None, pair: bool = False):
         super().__init__()
         settings.check()
+        if options is not None and not isinstance(options, AttentionOptions):  # options by name: the config's to check
+            raise TypeError(f"options must be the method's options object (LRAConfig.attention_options()), "
+                            f"got {type(options).__name__}")
         self.settings, self.method, self.pair = settings, method, pair
         s = settings
         self.cls = nn.Parameter(torch.zeros(1, 1, s.hidden)) if s.pooling == "cls" else None
@@ -123,8 +123,6 @@ class LRAEncoder(nn.Module):
         else:
             self.register_buffer("position", sinusoidal_table(positions, s.hidden), persistent=False)
         self.drop = nn.Dropout(s.dropout)
-        # the options validated once into the method's options object, which every block's layer holds
-        options = None if method == SOFTMAX else resolve_options(method, method_options or {})
         self.blocks = nn.ModuleList(Block(s, method, options) for _ in range(s.layers))
         self.norm = nn.LayerNorm(s.hidden)
         width = 4 * s.hidden if pair else s.hidden

@@ -31,7 +31,7 @@ from ..serialization import library_versions
 from ..tasks import TaskSpec
 from .config import LRAConfig
 from .data import build_splits, default_cache_dir, make_loader, split_summary, task_info
-from .model import SOFTMAX, LRAEncoder
+from .model import LRAEncoder
 
 ENCODER_FILE = "lra_encoder.json"  # beside the weights in model/: what rebuilds the encoder
 RUN_ARTEFACTS = (RESULTS_FILE, CONFIG_FILE, LOG_FILE, STATE_FILE, MODEL_DIR, "checkpoints", CURVES_FILE)
@@ -101,8 +101,7 @@ def forget_after_checkpoint(run_dir: Path, step: int) -> None:
 
 
 def build_model(config: LRAConfig, vocab: int, num_classes: int, max_length: int, pair: bool) -> LRAEncoder:
-    options = {} if config.method == SOFTMAX else config.options()
-    return LRAEncoder(config.encoder, vocab, num_classes, max_length, config.method, options, pair)
+    return LRAEncoder(config.encoder, vocab, num_classes, max_length, config.method, config.attention_options(), pair)
 
 
 def save_encoder(model: LRAEncoder, folder: Path, record: dict) -> None:
