@@ -296,6 +296,14 @@ def test_the_package_has_no_import_cycle_no_private_imports_and_no_hidden_import
             assert not hidden, f"{name}:{func.name} imports a package module inside a function"
 
 
+def test_only_the_command_line_imports_tools():
+    """tools/ sits above run/ and the library (``cli.py`` -> ``tools/``, ``run/`` -> ...): nothing outside it but
+    cli.py imports it, which is why a tool timed with the bench's clock (tools/layer_selection.py) stays there."""
+    outside = {m: ts for m, ts in import_edges().items() if m.split(".")[:2] != ["luna_convert", "tools"]}
+    importers = sorted(m for m, ts in outside.items() if any(t.split(".")[:2] == ["luna_convert", "tools"] for t in ts))
+    assert importers == [LAZY_TOP]
+
+
 def test_the_rest_of_the_package_uses_data_through_its_front():
     """luna_convert.data re-exports what other modules use; its sub-modules are its own business."""
     outside = {m: ts for m, ts in import_edges().items() if m.split(".")[:2] != ["luna_convert", "data"]}
