@@ -189,7 +189,7 @@ def ops_per_forward(method: str, tokens: int, train: bool = False, **options) ->
 # cat, sum or reshape around them (t2r 37 -> 33, relu 26 -> 20, luna 47 -> 44, hedgehog 42 -> 38); llops
 # and taylor, whose features lie feature-major, keep torch.bmm, with a view more per product (60 -> 62,
 # 49 -> 51). Without it (MEASURED_OPS, remeasured): 1-3 calls more than before, the same views.
-# With EXP_ROWS_NATIVE (ops.exp_rows built): hedgehog 38 -> 30 with its native map (hedgehog_native: the
+# With EXP_ROWS_NATIVE (ops.exp_rows built): hedgehog 38 -> 30 with its native map (hedgehog.native_features: the
 # projection through ops.products, the two softmaxes in one pass; where the products have no native code
 # it is 49, their bmm path copying the expanded weights and x at B = 2, as the PyTorch path's reshape copies
 # x); performer 53 -> 48 and flexformer 51 -> 46 (60 -> 55 and 58 -> 53 without native products): the

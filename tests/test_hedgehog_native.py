@@ -1,5 +1,5 @@
-"""Hedgehog's native feature map (``hedgehog_native``: ``ops.products`` and ``ops.exp_rows``' softmax pair)
-against its reference, the PyTorch path ``hedgehog.softmax_pair_features`` in float64: values and gradients
+"""Hedgehog's native feature map (``hedgehog.native_features``: ``ops.products`` and ``ops.exp_rows``' softmax
+pair) against its reference, the PyTorch path ``hedgehog.softmax_pair_features`` in float64: values and gradients
 for x, W and b, at the heads split from [B, N, H d], over several batches, threads and head sizes, in the
 build for this CPU and, where the CPU runs it, in the AVX2 build (8 lanes) that a CPU without AVX-512
 gets. Then: logits far apart (exp below float32's range), a float64 default dtype, a layer that takes
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from luna_convert.layers.attention import LinearAttention
-from luna_convert.linear_methods import hedgehog, hedgehog_native
+from luna_convert.linear_methods import hedgehog
 from luna_convert.ops import exp_rows, native
 
 
@@ -41,8 +41,8 @@ def test_values_and_gradients_match_the_pytorch_path_in_float64(exp_rows_library
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert hedgehog_native.applies(x, weight, bias)
-        got = values_and_grads(hedgehog_native.hedgehog_features, x, weight, bias, grad)
+        assert hedgehog.native_applies(x, weight, bias)
+        got = values_and_grads(hedgehog.native_features, x, weight, bias, grad)
     finally:
         torch.set_num_threads(before)
     want = values_and_grads(hedgehog.softmax_pair_features, x.double(), weight.double(), bias.double(), grad)
@@ -56,9 +56,9 @@ def test_the_avx2_build_takes_head_sizes_of_eight_lanes(exp_rows_library):
     """d = 24: a multiple of 8, not of 16: the AVX2 build computes it, the AVX-512 one leaves it to PyTorch."""
     x, weight, bias, grad = inputs(2, 2, 9, 24)
     if exp_rows.lanes() != 8:
-        assert not hedgehog_native.applies(x, weight, bias)
+        assert not hedgehog.native_applies(x, weight, bias)
         return
-    got = values_and_grads(hedgehog_native.hedgehog_features, x, weight, bias, grad)
+    got = values_and_grads(hedgehog.native_features, x, weight, bias, grad)
     want = values_and_grads(hedgehog.softmax_pair_features, x.double(), weight.double(), bias.double(), grad)
     for a, e in zip(got, want):
         torch.testing.assert_close(a.double(), e, rtol=1e-5, atol=1e-5)
@@ -70,7 +70,7 @@ def test_logits_far_apart_give_zeros_not_garbage(exp_rows_library):
     x, _, bias, _ = inputs(1, 2, 64, 16, spread=60.0)
     weight = torch.eye(16).repeat(2, 1, 1)
     with torch.no_grad():
-        got = hedgehog_native.hedgehog_features(x, weight, bias)
+        got = hedgehog.native_features(x, weight, bias)
         want = hedgehog.softmax_pair_features(x.double(), weight.double(), bias.double())
     assert torch.isfinite(got).all() and (got == 0).float().mean() > 0.3
     # float32 logits of a few hundred are rounded by ~3e-5, and exp carries that into its relative error
@@ -80,10 +80,10 @@ def test_logits_far_apart_give_zeros_not_garbage(exp_rows_library):
 
 def test_outputs_and_gradients_are_float32_whatever_the_default_dtype(exp_rows_library):
     x, weight, bias, grad = inputs(2, 2, 9, 16)
-    want = values_and_grads(hedgehog_native.hedgehog_features, x, weight, bias, grad)
+    want = values_and_grads(hedgehog.native_features, x, weight, bias, grad)
     torch.set_default_dtype(torch.float64)
     try:
-        got = values_and_grads(hedgehog_native.hedgehog_features, x, weight, bias, grad)
+        got = values_and_grads(hedgehog.native_features, x, weight, bias, grad)
     finally:
         torch.set_default_dtype(torch.float32)
     for a, b in zip(got, want):
@@ -93,10 +93,10 @@ def test_outputs_and_gradients_are_float32_whatever_the_default_dtype(exp_rows_l
 
 def test_where_it_does_not_apply():
     x, weight, bias, _ = inputs(1, 2, 8, 16)
-    assert not hedgehog_native.applies(x.double(), weight.double(), bias.double())  # float64: PyTorch's path
-    assert not hedgehog_native.applies(x[..., :12], weight[:, :12, :12], bias[..., :12])  # not whole vectors
+    assert not hedgehog.native_applies(x.double(), weight.double(), bias.double())  # float64: PyTorch's path
+    assert not hedgehog.native_applies(x[..., :12], weight[:, :12, :12], bias[..., :12])  # not whole vectors
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not hedgehog_native.applies(x, weight, bias)  # the projection in the autocast dtype
+        assert not hedgehog.native_applies(x, weight, bias)  # the projection in the autocast dtype
 
 
 def test_a_hedgehog_layer_takes_the_native_path_and_gives_the_pytorch_paths_outputs(monkeypatch):
@@ -107,8 +107,8 @@ def test_a_hedgehog_layer_takes_the_native_path_and_gives_the_pytorch_paths_outp
     key_mask[1, -7:] = False
     grad = torch.randn(2, 4, 40, 32)
     calls = []
-    spy = hedgehog_native.hedgehog_features
-    monkeypatch.setattr(hedgehog_native, "hedgehog_features", lambda *a: calls.append(1) or spy(*a))
+    spy = hedgehog.native_features
+    monkeypatch.setattr(hedgehog, "native_features", lambda *a: calls.append(1) or spy(*a))
     results = []
     for setting in ("1", "0"):
         monkeypatch.setenv(native.DISABLE_VARIABLE, setting)

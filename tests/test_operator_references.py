@@ -5,6 +5,7 @@ products of the features each map computes in PyTorch (tests/test_operators.py).
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 from pathlib import Path
@@ -41,3 +42,17 @@ def test_every_operator_has_its_reference_beside_it():
     orphans = [name for name in operators if name.endswith("_backward")  # dwc_tokens_backward: dwc_tokens_plus's
                and not any(other.startswith(name.removesuffix("_backward")) for other in operators if other != name)]
     assert not orphans, f"backward operators without their forward: {orphans}"
+
+
+def test_every_maker_in_ops_is_tested_against_its_reference_by_name():
+    """A maker of rows in ops/ (a public function returning ``ProducedRows``: a method's map made natively inside
+    the products) is compared by name in tests/test_produced_rows.py against its PyTorch reference (the same
+    function on stored inputs, a formula or the map's own ``forward``)."""
+    tests = (Path(__file__).parent / "test_produced_rows.py").read_text()
+    makers = [f"{path.stem}.{node.name}" for path in sorted((PACKAGE / "ops").glob("*.py"))
+              for node in ast.parse(path.read_text()).body
+              if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and node.returns is not None
+              and "ProducedRows" in ast.unparse(node.returns)]
+    assert len(makers) >= 7, makers  # the scan found them
+    untested = [name for name in makers if not re.search(rf"\b{name.split('.')[1]}\b", tests)]
+    assert not untested, f"makers no test in tests/test_produced_rows.py names: {untested}"

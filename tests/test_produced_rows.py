@@ -244,6 +244,25 @@ def test_cosformer_rows_leave_prefix_tokens_to_the_stored_path(library):
         assert torch.equal(out, raster(q, k, v, num_prefix=1))
 
 
+@pytest.mark.parametrize("constant, linear", [(False, False), (True, True)])
+@pytest.mark.parametrize("width", [5, 16])
+def test_pair_feature_rows_are_the_pair_formula(library, constant, linear, width):
+    """``pair_rows.pair_feature_rows`` (Taylor's and LLoPS's pair features) against their formula in PyTorch, read
+    back through a product with the identity (exact, as above): [1, x_i l, then per i (x_i s) x_i and (x_i p) x_j
+    for j > i], the scales as float32."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 300, width)
+    square, pair, line = 0.3, 0.7, 0.45
+    i, j = torch.triu_indices(width, width)
+    scale = torch.where(i == j, torch.tensor(square), torch.tensor(pair))
+    want = (x[..., i] * scale) * x[..., j]
+    want = torch.cat([*([torch.ones(2, 3, 300, 1)] if constant else []), *([x * line] if linear else []), want], -1)
+    with torch.no_grad():
+        rows = pair_rows.pair_feature_rows(x, square, pair, constant=constant, linear_scale=line if linear else None)
+        made = products.produced_product(rows, torch.eye(want.shape[-1]).expand(2, 3, *want.shape[-1:] * 2))
+    torch.testing.assert_close(made, want, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("factors", [1, 2, 3])
 @pytest.mark.parametrize("width", [5, 16])
 def test_factor_product_rows_multiply_in_factor_order(library, factors, width):
@@ -276,6 +295,24 @@ def test_exp_minus_max_rows_are_the_stored_exps(exp_rows_library, width):
         features = exp_rows.exp_minus_row_max_rows(source, 0.75)
         made = products.produced_product(features, torch.eye(width).expand(2, 3, width, width))
     assert torch.equal(made, exp_rows.exp_minus_row_max_(z.clone(), 0.75))
+
+
+@pytest.mark.parametrize("vectors", [1, 2])
+def test_softmax_pair_rows_are_the_softmax_pair_of_the_logits(exp_rows_library, vectors):
+    """``exp_rows.softmax_pair_rows`` (Hedgehog's features from its logits) to the bit as ``exp_rows.softmax_pair``
+    of the stored logits, and within float32 rounding of ``softmax_pair_reference``: the source made exactly and
+    read back exactly, as above."""
+    if products.native_library() is None:
+        pytest.skip(products.native_status())
+    width = vectors * exp_rows.lanes()
+    torch.manual_seed(0)
+    z = 3 * torch.randn(2, 3, 300, width)
+    with torch.no_grad():
+        source = products.affine_feature_rows(z, torch.eye(width), torch.zeros(width), relu=False)
+        features = exp_rows.softmax_pair_rows(source)
+        made = products.produced_product(features, torch.eye(2 * width).expand(2, 3, 2 * width, 2 * width))
+    assert torch.equal(made, exp_rows.softmax_pair(z))
+    torch.testing.assert_close(made.double(), exp_rows.softmax_pair_reference(z.double()), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("method", ["performer", "flexformer"])
