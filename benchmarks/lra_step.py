@@ -26,7 +26,7 @@ method, length, batch, steps, threads = sys.argv[1], int(sys.argv[2]), int(sys.a
 torch.set_num_threads(threads)
 torch.manual_seed(0)
 config = load_lra_config("image", "cpu", overrides={"method": method})  # the recipes' method options
-model = LRAEncoder(config.encoder, 256, 10, length, method, config.options() if method != "softmax" else {})
+model = LRAEncoder(config.encoder, 256, 10, length, method, config.attention_options())
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 ids = torch.randint(0, 256, (batch, length))
 mask = torch.ones(batch, length, dtype=torch.long)
