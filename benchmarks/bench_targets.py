@@ -1,4 +1,4 @@
-"""The speed and memory targets of docs/benchmarks.md (*Performance targets*), checked on a bench run.
+"""The speed and memory targets (docs/benchmarks.md, *Performance targets*), checked on a bench run.
 
 ``luna-convert bench`` measures; this script says which targets its measurements meet (a target left out
 when the run did not measure what it needs):
