@@ -304,6 +304,44 @@ def test_only_the_command_line_imports_tools():
     assert importers == [LAZY_TOP]
 
 
+# The stated import order, top (the command line) to bottom (tensor math and plain helpers): a module
+# imports only from tiers below its own. Each top-level module or package of luna_convert has a tier.
+IMPORT_TIERS = (
+    ("__main__",),
+    ("cli",),
+    ("tools",),
+    ("lra",),
+    ("run", "integrations"),
+    ("engine", "data", "serialization", "export"),
+    ("conversion",),
+    ("adapters",),
+    ("model_building",),
+    ("layers",),
+    ("linear_methods",),
+    ("ops",),
+    ("metrics", "sentence_embedding", "fileio", "folder_layout"),
+    ("tasks",),
+    ("errors",),
+)
+
+
+def test_imports_point_down_the_stated_order():
+    """CONTRIBUTING.md's order, whole: an import up a tier (or across one) would let the layers tangle."""
+    tier = {name: rank for rank, names in enumerate(IMPORT_TIERS) for name in names}
+    parts = {module_name(p).split(".")[1] for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE or p.name != "__init__.py"}
+    assert not parts - set(tier), f"give these a tier in IMPORT_TIERS (and the package map): {sorted(parts - set(tier))}"
+    upward = []
+    for module, targets in import_edges().items():
+        source = module.split(".")[1] if module != "luna_convert" else None
+        for target in targets:
+            if source is None or target == "luna_convert":
+                continue
+            goal = target.split(".")[1]
+            if goal != source and tier[goal] <= tier[source]:
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports against the stated order:\n" + "\n".join(sorted(upward))
+
+
 def test_the_rest_of_the_package_uses_data_through_its_front():
     """luna_convert.data re-exports what other modules use; its sub-modules are its own business."""
     outside = {m: ts for m, ts in import_edges().items() if m.split(".")[:2] != ["luna_convert", "data"]}
