@@ -15,6 +15,8 @@ rows and its dev.tsv the tenth (the header row in both).
 from __future__ import annotations
 
 import argparse
+import random
+from collections import Counter
 from pathlib import Path
 
 
@@ -31,16 +33,27 @@ def holdout_split(train_dir: Path, out_dir: Path, every: int = 10) -> tuple[int,
     return counts[0], counts[1]
 
 
-def holdout_split_tsv(glue_dir: Path, out_dir: Path, every: int = 10) -> tuple[int, int]:
+def holdout_split_tsv(glue_dir: Path, out_dir: Path, every: int = 10, shuffle_seed: int | None = None) -> tuple[int, int]:
     """Split ``glue_dir``/train.tsv into ``out_dir``/train.tsv and ``out_dir``/dev.tsv; returns the row counts.
-    GLUE's TSVs hold one example per line (no quoting), so lines are rows."""
+    GLUE's TSVs hold one example per line (no quoting), so lines are rows. ``shuffle_seed``: take every
+    ``every``-th row of a seeded shuffle instead, for files whose order follows the labels (the word-order
+    task alternates them, so every tenth row would be one class)."""
     header, *rows = (glue_dir / "train.tsv").read_text(encoding="utf-8").splitlines(keepends=True)
+    order = list(range(len(rows)))
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(order)
+    held = {index for position, index in enumerate(order) if position % every == every - 1}
     parts: list[list[str]] = [[header], [header]]
     for index, row in enumerate(rows):
-        parts[index % every == every - 1].append(row)
+        parts[index in held].append(row)
     out_dir.mkdir(parents=True)
     for name, part in zip(("train.tsv", "dev.tsv"), parts):
         (out_dir / name).write_text("".join(part), encoding="utf-8")
+    names = header.rstrip("\n").split("\t")
+    if "label" in names:  # the class balance of each part: a held-out part of one class tells nothing
+        column = names.index("label")
+        for name, part in zip(("train", "held-out"), parts):
+            print(f"{name} labels:", dict(sorted(Counter(r.rstrip("\n").split("\t")[column] for r in part[1:]).items())))
     return len(parts[0]) - 1, len(parts[1]) - 1
 
 
@@ -50,11 +63,12 @@ def main() -> None:
                         "TSV folder with train.tsv")
     parser.add_argument("out_dir", type=Path, help="the new folder")
     parser.add_argument("--every", type=int, default=10, help="hold out one example in this many")
+    parser.add_argument("--shuffle-seed", type=int, help="GLUE TSV: hold out every N-th row of a seeded shuffle")
     args = parser.parse_args()
     if args.out_dir.exists():
         raise SystemExit(f"error: {args.out_dir} exists; pass a new folder")
     if (args.source / "train.tsv").is_file():
-        train, held_out = holdout_split_tsv(args.source, args.out_dir, args.every)
+        train, held_out = holdout_split_tsv(args.source, args.out_dir, args.every, args.shuffle_seed)
     else:
         train, held_out = holdout_split(args.source, args.out_dir, args.every)
     print(f"{args.out_dir}: {train} training and {held_out} held-out examples")
