@@ -33,7 +33,8 @@ def holdout_split(train_dir: Path, out_dir: Path, every: int = 10) -> tuple[int,
     return counts[0], counts[1]
 
 
-def holdout_split_tsv(glue_dir: Path, out_dir: Path, every: int = 10, shuffle_seed: int | None = None) -> tuple[int, int]:
+def holdout_split_tsv(glue_dir: Path, out_dir: Path, every: int = 10,
+                      shuffle_seed: int | None = None) -> tuple[int, int]:
     """Split ``glue_dir``/train.tsv into ``out_dir``/train.tsv and ``out_dir``/dev.tsv; returns the row counts.
     GLUE's TSVs hold one example per line (no quoting), so lines are rows. ``shuffle_seed``: take every
     ``every``-th row of a seeded shuffle instead, for files whose order follows the labels (the word-order
@@ -53,7 +54,8 @@ def holdout_split_tsv(glue_dir: Path, out_dir: Path, every: int = 10, shuffle_se
     if "label" in names:  # the class balance of each part: a held-out part of one class tells nothing
         column = names.index("label")
         for name, part in zip(("train", "held-out"), parts):
-            print(f"{name} labels:", dict(sorted(Counter(r.rstrip("\n").split("\t")[column] for r in part[1:]).items())))
+            labels = Counter(row.rstrip("\n").split("\t")[column] for row in part[1:])
+            print(f"{name} labels:", dict(sorted(labels.items())))
     return len(parts[0]) - 1, len(parts[1]) - 1
 
 
