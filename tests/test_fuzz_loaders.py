@@ -18,7 +18,7 @@ import typer
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 from typer.testing import CliRunner
 
-from luna_convert import data
+from luna_convert import data, task_kinds
 from luna_convert.cli import DefaultRunGroup, _guard
 from luna_convert.tasks import get_task
 
@@ -40,15 +40,15 @@ def load_everything(kind: str, folder: Path, encoding: str | None) -> None:
     """What a run does with a split before training: read it, align its labels, decode and transform images."""
     if kind == "image":
         task = get_task("image-classification")
-        dataset, _ = data.readable_images(data.load_split(task, "train", folder), skip=True)
+        dataset, _ = data.readable_images(task_kinds.load_split(task, "train", folder), skip=True)
         transform = data.image_transform([0.5] * 3, [0.5] * 3, 16, train=False)
         for i in range(len(dataset)):
             transform(dataset[i][0])
         return
     task = get_task("sst2" if kind == "glue" else "text-classification")
     with data.text_encoding(encoding):
-        dataset = data.load_split(task, "train", folder)
-    data.align_labels(dataset, task, ID2LABEL, 2)
+        dataset = task_kinds.load_split(task, "train", folder)
+    task_kinds.align_labels(dataset, task, ID2LABEL, 2)
 
 
 # ------------------------------------------------------------------------------ strategies

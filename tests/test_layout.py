@@ -312,6 +312,7 @@ IMPORT_TIERS = (
     ("tools",),
     ("lra",),
     ("run", "integrations"),
+    ("task_kinds",),
     ("engine", "data", "serialization", "export"),
     ("conversion",),
     ("adapters",),

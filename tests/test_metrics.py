@@ -14,7 +14,8 @@ from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import f1_score, matthews_corrcoef
 
 from luna_convert.errors import LunaConvertError, UnknownNameError
-from luna_convert.metrics import compute_metrics, headline_metric, metric_names
+from luna_convert.metrics import headline_metric
+from luna_convert.task_kinds import compute_metrics, kind_of, metric_names
 from luna_convert.tasks import GLUE_TASKS, TASKS, TaskSpec, get_task
 
 
@@ -65,8 +66,9 @@ def test_taskspec_is_frozen():
 
 
 def test_import_tasks_and_metrics_is_light():
-    code = ("import sys, luna_convert.tasks, luna_convert.metrics, luna_convert.data; "
-            "heavy = [m for m in ('datasets', 'transformers', 'timm', 'torchvision', 'sklearn') if m in sys.modules]; "
+    code = ("import sys, luna_convert.tasks, luna_convert.metrics, luna_convert.data, luna_convert.task_kinds; "
+            "heavy = [m for m in ('torch', 'datasets', 'transformers', 'timm', 'torchvision', 'sklearn') "
+            "if m in sys.modules]; "
             "print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -90,11 +92,11 @@ def test_headline_metric(name, key):
 def test_headline_is_among_computed_keys():
     rng = np.random.default_rng(0)
     for name, spec in TASKS.items():
-        if spec.is_span_level:  # QA: answer texts against each question's gold texts
+        if kind_of(spec).name == "span":  # QA: answer texts against each question's gold texts
             out = compute_metrics(spec, ["the cat", "a dog"], [["cat"], ["dog", "the cat"]])
             assert headline_metric(spec) in out and set(out) == set(metric_names(spec)), name
             continue
-        if spec.is_embedding_level:  # embeddings against the teacher's, or pairs against similarity scores
+        if kind_of(spec).name == "embedding":  # embeddings against the teacher's, or pairs against similarity scores
             teacher = rng.normal(size=(20, 8))
             out = compute_metrics(spec, teacher + 0.1 * rng.normal(size=(20, 8)), teacher)
             assert headline_metric(spec) in out and set(out) == set(metric_names(spec)), name
@@ -103,8 +105,9 @@ def test_headline_is_among_computed_keys():
             assert "spearmanr" in out and set(out) == set(metric_names(pairs)), name
             continue
         n_cls = spec.num_labels or 3
-        shape = (20, 6) if spec.is_token_level else (20,)  # token tasks: a label a token
-        if spec.is_token_level:  # tag names come from the model
+        token = kind_of(spec).name == "token"
+        shape = (20, 6) if token else (20,)  # token tasks: a label a token
+        if token:  # tag names come from the model
             spec = dataclasses.replace(spec, label_names=("O", "B-X", "I-X"))
         labels = rng.random(20) * 5 if spec.is_regression else rng.integers(0, n_cls, shape)
         preds = rng.random(20) * 5 if spec.is_regression else rng.normal(size=(*shape, n_cls))

@@ -229,10 +229,10 @@ def test_saved_dataset_dict_with_classlabel_and_image_column(tmp_path):
     config = own_config(model, tmp_path / "saved")
     resolved = resolve_own_data(config, load_model(str(model)))
     assert resolved["data"]["source"] == "save_to_disk folder" and resolved["columns"]["text"] == "sentence"
-    from luna_convert import data as data_mod
+    from luna_convert import task_kinds
 
-    ds = data_mod.load_split(task_for(config), "train", str(tmp_path / "saved"))
-    aligned = data_mod.align_labels(ds, task_for(config), {0: "POSITIVE", 1: "NEGATIVE"}, 2)
+    ds = task_kinds.load_split(task_for(config), "train", str(tmp_path / "saved"))
+    aligned = task_kinds.align_labels(ds, task_for(config), {0: "POSITIVE", 1: "NEGATIVE"}, 2)
     assert aligned["label"] == [1 - y for y in dd["train"]["label"]]  # neg(0) -> NEGATIVE(1)
 
     # Images: a dataset with an image column and a ClassLabel.
@@ -245,7 +245,7 @@ def test_saved_dataset_dict_with_classlabel_and_image_column(tmp_path):
     config = own_config(vit, tmp_path / "imgs")
     resolved = resolve_own_data(config, load_model(str(vit)))
     assert resolved["data"]["eval_split"] == "test" and resolved["columns"] == {"image": "img", "label": "fine_label"}
-    img, y = data_mod.load_split(task_for(config), "test", str(tmp_path / "imgs"))[2]
+    img, y = task_kinds.load_split(task_for(config), "test", str(tmp_path / "imgs"))[2]
     assert img.mode == "RGB" and y == 2
 
 

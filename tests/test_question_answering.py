@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import luna_convert
-from luna_convert import data
-from luna_convert.engine.scoring import best_span, span_answers
+from luna_convert import data, task_kinds
 from luna_convert.errors import LunaConvertError
 from luna_convert.folder_layout import LOG_FILE
-from luna_convert.metrics import compute_metrics, metric_names, normalize_answer
+from luna_convert.metrics import normalize_answer
+from luna_convert.task_kinds import best_span, compute_metrics, kind_of, metric_names, span_answers
 from luna_convert.run.pipeline import run_conversion
 from luna_convert.tasks import get_task
 from builders import config_for, invoke_cli, write_bert_checkpoint, saved_tokenizer, train_tiny_teacher
@@ -56,8 +56,8 @@ def finetune_teacher(model_dir: Path, data_dir: Path, epochs: int = 10) -> None:
     measured: the loss plateaus near log 3 by then, the question type not yet read)."""
     from luna_convert.run.models import load_model
 
-    loaded = load_model(str(model_dir), level="span")
-    loader = data.make_qa_dataloader(data.load_split(QA, "train", data_dir), loaded.tokenizer, batch_size=8,
+    loaded = load_model(str(model_dir), kind="span")
+    loader = data.make_qa_dataloader(task_kinds.load_split(QA, "train", data_dir), loaded.tokenizer, batch_size=8,
                                      shuffle=True)
     train_tiny_teacher(loaded, loader, model_dir, epochs)
 
@@ -95,7 +95,7 @@ def test_squad_json_jsonl_and_hub_layouts_read_the_same_questions(tmp_path):
                                       "answers": [{"text": [t for t, _ in a], "answer_start": [s for _, s in a]}
                                                   for _, _, a in rows]})
     datasets.DatasetDict({"train": hub}).save_to_disk(str(tmp_path / "saved"))
-    read = [data.load_split(QA, "train", d) for d in (squad, jsonl, tmp_path / "saved")]
+    read = [task_kinds.load_split(QA, "train", d) for d in (squad, jsonl, tmp_path / "saved")]
     for ds in read:
         assert ds["id"] == ["q1", "q2"] and ds["question"] == [r[1] for r in rows] and ds["context"] == [context] * 2
         assert ds["answers"] == [["rome"], ["mary", "mary"]] and ds["answer_starts"] == [[14], [0, 0]]
@@ -112,7 +112,7 @@ def test_squad_json_jsonl_and_hub_layouts_read_the_same_questions(tmp_path):
 def test_malformed_questions_fail_with_one_line(tmp_path, qa, message):
     (tmp_path / "train.json").write_text(json.dumps(squad_json([{"context": "mary lives in rome .", "qas": [qa]}])))
     with pytest.raises(LunaConvertError) as e:
-        data.load_split(QA, "train", tmp_path)
+        task_kinds.load_split(QA, "train", tmp_path)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -164,9 +164,9 @@ def test_task_loss_is_the_models_own_span_loss(qa_setup):
     from luna_convert.run.models import load_model
 
     model_dir, data_dir = qa_setup
-    loaded = load_model(str(model_dir), level="span")
+    loaded = load_model(str(model_dir), kind="span")
     loaded.model.eval()
-    batch = next(iter(data.make_qa_dataloader(data.load_split(QA, "train", data_dir), loaded.tokenizer, batch_size=4)))
+    batch = next(iter(data.make_qa_dataloader(task_kinds.load_split(QA, "train", data_dir), loaded.tokenizer, batch_size=4)))
     logits = forward_logits(loaded.model, batch)
     assert logits.shape == (4, 2, batch["input_ids"].shape[1])
     own = loaded.model(**{k: v for k, v in batch.items() if k != "labels"}, start_positions=batch["labels"][:, 0],
@@ -182,7 +182,7 @@ def test_predict_pads_start_and_end_rows_of_batches_of_different_lengths(qa_setu
     from luna_convert.run.models import load_model
 
     model_dir, _ = qa_setup
-    loaded = load_model(str(model_dir), level="span")
+    loaded = load_model(str(model_dir), kind="span")
     contexts = ["john lives in paris and works at acme .", "mary lives in rome ."]
     ds = datasets.Dataset.from_dict({"question": ["who works at acme ?", "where does mary live ?"],
                                      "context": contexts, "answers": [["john"], ["rome"]],
@@ -247,7 +247,7 @@ def test_squad_metrics_on_known_answers(predictions, golds, expected):
 def test_squad_normalisation_and_metric_names():
     assert normalize_answer("  The  Cat's (a) pyjamas, AN owl ") == "cats pyjamas owl"
     assert normalize_answer("theatre") == "theatre"  # an article inside a word stays
-    assert metric_names(QA) == ("f1", "exact_match") and QA.headline == "f1" and QA.is_span_level
+    assert metric_names(QA) == ("f1", "exact_match") and QA.headline == "f1" and kind_of(QA).name == "span"
     assert get_task("squad") is QA and get_task("question-answering") is QA
     with pytest.raises(LunaConvertError, match="2 predicted answers but 1 questions"):
         compute_metrics(QA, ["a", "b"], [["a"]])

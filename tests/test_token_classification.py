@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import luna_convert
-from luna_convert import data
+from luna_convert import data, task_kinds
 from luna_convert.errors import LunaConvertError
-from luna_convert.metrics import compute_metrics, entity_spans, metric_names
+from luna_convert.metrics import entity_spans
+from luna_convert.task_kinds import compute_metrics, kind_of, metric_names
 from luna_convert.run.compare import summarise
 from luna_convert.run.pipeline import evaluate_model, run_conversion
 from luna_convert.tasks import IGNORE_INDEX, get_task
@@ -59,9 +60,10 @@ def finetune_teacher(model_dir: Path, data_dir: Path, epochs: int = 20) -> None:
     """Train the tiny model on train.txt so that it is a real (if easy) NER teacher."""
     from luna_convert.run.models import load_model
 
-    loaded = load_model(str(model_dir), level="token")
-    ds = data.align_labels(data.load_split(NER, "train", data_dir), NER, loaded.id2label, loaded.num_labels)
-    loader = data.make_text_dataloader(ds, NER, loaded.tokenizer, batch_size=8, shuffle=True)
+    loaded = load_model(str(model_dir), kind="token")
+    ds = task_kinds.align_labels(task_kinds.load_split(NER, "train", data_dir), NER, loaded.id2label,
+                                 loaded.num_labels)
+    loader = data.make_text_dataloader(ds, NER, loaded.tokenizer, batch_size=8, shuffle=True, words=True)
     train_tiny_teacher(loaded, loader, model_dir, epochs)
 
 
@@ -87,7 +89,7 @@ def test_conll_and_jsonl_read_the_same_sentences(tmp_path):
     rows = [{"tokens": ["John", "Smith"], "ner_tags": ["B-PER", "I-PER"]},
             {"tokens": ["went", "to", "Paris"], "ner_tags": ["O", "O", "B-LOC"]}]
     (jsonl / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    from_conll, from_jsonl = data.load_split(NER, "train", conll), data.load_split(NER, "train", jsonl)
+    from_conll, from_jsonl = task_kinds.load_split(NER, "train", conll), task_kinds.load_split(NER, "train", jsonl)
     assert from_conll["tokens"] == from_jsonl["tokens"] == [["John", "Smith"], ["went", "to", "Paris"]]
     assert from_conll["label"] == from_jsonl["label"] == [["B-PER", "I-PER"], ["O", "O", "B-LOC"]]
     assert from_conll["source"] == ["train.conll line 3", "train.conll line 7"]  # for messages
@@ -104,12 +106,13 @@ def test_hub_style_int_tags_map_through_the_model_order(tmp_path):
     saved = datasets.Dataset.from_dict({"tokens": [["acme", "in", "paris"]], "ner_tags": [[3, 0, 5]]},
                                        features=features)
     datasets.DatasetDict({"train": saved}).save_to_disk(str(tmp_path / "saved"))
-    ds = data.load_split(NER, "train", tmp_path / "saved")
+    ds = task_kinds.load_split(NER, "train", tmp_path / "saved")
     assert ds["label"] == [["B-ORG", "O", "B-LOC"]]
-    assert data.align_labels(ds, NER, ID2LABEL, len(TAGS))["label"] == [[5, 0, 3]]
+    assert task_kinds.align_labels(ds, NER, ID2LABEL, len(TAGS))["label"] == [[5, 0, 3]]
     (tmp_path / "ids").mkdir()
     (tmp_path / "ids" / "train.jsonl").write_text(json.dumps({"tokens": ["acme", "in"], "ner_tags": [5, 0]}) + "\n")
-    assert data.align_labels(data.load_split(NER, "train", tmp_path / "ids"), NER, ID2LABEL, 7)["label"] == [[5, 0]]
+    ids = task_kinds.load_split(NER, "train", tmp_path / "ids")
+    assert task_kinds.align_labels(ids, NER, ID2LABEL, 7)["label"] == [[5, 0]]
 
 
 def test_first_sub_token_gets_the_word_label(ner_setup):
@@ -124,7 +127,7 @@ def test_first_sub_token_gets_the_word_label(ner_setup):
     import datasets
 
     ds = datasets.Dataset.from_dict({"tokens": [words, ["mary"]], "label": [tags, [1]]})
-    batch = next(iter(data.make_text_dataloader(ds, NER, tokenizer, batch_size=2)))
+    batch = next(iter(data.make_text_dataloader(ds, NER, tokenizer, batch_size=2, words=True)))
     assert batch["labels"].tolist() == [[-100, 1, -100, 0, 0, 3, -100], [-100, 1, -100, -100, -100, -100, -100]]
     assert batch["attention_mask"].tolist()[1] == [1, 1, 1, 0, 0, 0, 0]
 
@@ -134,7 +137,8 @@ def test_truncation_is_counted_and_keeps_the_first_words(ner_setup):
     import datasets
 
     ds = datasets.Dataset.from_dict({"tokens": [["johns", "went", "to", "london"], ["mary"]], "label": [[1, 0, 0, 3], [1]]})
-    loader = data.make_text_dataloader(ds, NER, saved_tokenizer(model_dir), batch_size=2, max_length=5)
+    loader = data.make_text_dataloader(ds, NER, saved_tokenizer(model_dir), batch_size=2, max_length=5,
+                                      words=True)
     assert loader.num_truncated == 1
     assert next(iter(loader))["labels"].tolist()[0] == [-100, 1, -100, 0, -100]  # [CLS] john ##s went [SEP]
 
@@ -147,9 +151,10 @@ def test_every_word_is_scored_once_across_batches_of_different_lengths(ner_setup
     from luna_convert.run.models import load_model
 
     model_dir, data_dir = ner_setup
-    loaded = load_model(str(model_dir), level="token")
-    ds = data.align_labels(data.load_split(NER, "validation", data_dir), NER, loaded.id2label, loaded.num_labels)
-    loader = data.make_text_dataloader(ds, NER, loaded.tokenizer, batch_size=5)
+    loaded = load_model(str(model_dir), kind="token")
+    ds = task_kinds.align_labels(task_kinds.load_split(NER, "validation", data_dir), NER, loaded.id2label,
+                                 loaded.num_labels)
+    loader = data.make_text_dataloader(ds, NER, loaded.tokenizer, batch_size=5, words=True)
     lengths = {len(b["labels"][0]) for b in loader}
     assert len(lengths) > 1, "the dev batches should differ in length for this test to mean something"
     logits, labels = predict(Accelerator(), loaded.model, loader)
@@ -232,7 +237,7 @@ def test_entity_f1_matches_seqeval_on_random_sequences():
 
 
 def test_token_metric_names_and_bad_tags():
-    assert NER.headline == "entity_f1" and NER.is_token_level and metric_names(NER)[0] == "entity_f1"
+    assert NER.headline == "entity_f1" and kind_of(NER).name == "token" and metric_names(NER)[0] == "entity_f1"
     assert get_task("token-classification") is NER
     with pytest.raises(LunaConvertError, match="BIO"):
         data.token_label_names({0: "O", 1: "PERSON"}, 2)
@@ -304,7 +309,7 @@ def test_mismatched_head_or_slow_tokenizer_is_refused(ner_setup, tmp_path):
 
     ds = datasets.Dataset.from_dict({"tokens": [["mary"]], "label": [[1]]})
     with pytest.raises(LunaConvertError, match="needs a fast tokenizer"):
-        data.make_text_dataloader(ds, NER, SlowTokenizer(), batch_size=1)
+        data.make_text_dataloader(ds, NER, SlowTokenizer(), batch_size=1, words=True)
 
 
 def test_cli_malformed_file_one_line_and_exit_2(ner_setup, tmp_path):

@@ -8,13 +8,10 @@ from typing import Any
 
 from ..errors import LunaConvertError
 from ..tasks import TaskSpec
-from .conll import datasets_token_split
 from .images import DatasetsImageDataset
 from .labels import int_or_none, is_missing
 from .splits import SPLIT_STEMS, canonical_split, subset_indices
-from .sentences import sentence_dataset
-from .squad import datasets_qa_split
-from .tables import LABEL_COLUMN_ALIASES, columns_to_dataset, pick_column
+from .tables import LABEL_COLUMN_ALIASES, pick_column
 
 HUB_PREFIX = "hf:"
 _HUB_CACHE: dict[str, Any] = {}
@@ -106,10 +103,16 @@ def datasets_class_names(dd, column: str) -> list[str]:
     return sorted(str(v) for v in values)
 
 
-def load_datasets_split(task: TaskSpec, split: str, data_dir, max_examples: int | None, seed: int):
-    """``split`` of a hub dataset or save_to_disk folder, as load_split returns it for the task's kind."""
+def datasets_value_columns(ds) -> dict[str, list]:
+    """A hub split's columns of plain values (numbers, strings, class labels), as lists."""
     import datasets
 
+    return {c: list(ds[c]) for c, f in ds.features.items() if isinstance(f, (datasets.Value, datasets.ClassLabel))}
+
+
+def load_datasets_split(task: TaskSpec, split: str, data_dir, max_examples: int | None, seed: int, reader):
+    """``split`` of a hub dataset or save_to_disk folder, as load_split returns it for the task's kind
+    (``reader``: see :func:`luna_convert.data.load_split`)."""
     dd = load_datasets_dict(data_dir)
     name = datasets_split_name(dd, split, str(data_dir))
     ds = dd[name]
@@ -128,11 +131,4 @@ def load_datasets_split(task: TaskSpec, split: str, data_dir, max_examples: int 
         return out.subset(idx) if idx is not None else out
     if idx is not None:
         ds = ds.select(idx)
-    if task.is_token_level:
-        return datasets_token_split(ds, where)
-    if task.is_span_level:
-        return datasets_qa_split(ds, where)
-    cols = {c: list(ds[c]) for c, f in ds.features.items() if isinstance(f, (datasets.Value, datasets.ClassLabel))}
-    if task.is_embedding_level:
-        return sentence_dataset(cols, where)
-    return columns_to_dataset(task, cols, where, split)
+    return reader.read_datasets(task, ds, where, split)

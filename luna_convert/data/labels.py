@@ -151,7 +151,7 @@ def short_list(items: Sequence, n: int = 8) -> str:
     return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
-def _align_token_labels(dataset, id2label, num_labels: int):
+def align_tag_labels(dataset, id2label, num_labels: int):
     """Each sentence's tags (names or ids) as the model's tag ids."""
     names = token_label_names(id2label, num_labels)
     index = {normalize_label_name(n): i for i, n in enumerate(names)}
@@ -205,8 +205,6 @@ def align_labels(dataset, task: TaskSpec | str, id2label: dict[int, str] | None,
     task = get_task(task)
     if task.is_regression:
         return dataset
-    if task.is_token_level:
-        return _align_token_labels(dataset, id2label, num_labels)
     if task.kind == "image" or not hasattr(dataset, "column_names"):
         return _align_image_labels(dataset, task, id2label, num_labels)
     if "label" not in dataset.column_names:

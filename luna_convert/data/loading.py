@@ -6,13 +6,10 @@ from pathlib import Path
 
 from ..errors import LunaConvertError
 from ..tasks import TaskSpec, get_task
-from .conll import load_token_split
 from .glue import load_glue_hub_split, read_glue_tsv
 from .hub import datasets_source, load_datasets_split
 from .images import load_image_split
 from .splits import canonical_split, subset_indices
-from .sentences import load_sentence_split
-from .squad import load_qa_split
 from .tables import TABLE_EXTENSIONS, find_split_file, read_table_split
 
 
@@ -24,13 +21,9 @@ def _resolve_text_dir(task: TaskSpec, data_dir: Path) -> Path:
     return data_dir
 
 
-def _load_text_split(task: TaskSpec, split: str, data_dir: Path | None):
-    if task.is_token_level:
-        return load_token_split(task, split, data_dir)
-    if task.is_span_level:
-        return load_qa_split(task, split, data_dir)
-    if task.is_embedding_level:
-        return load_sentence_split(task, split, data_dir)
+def read_sequence_split(task: TaskSpec, split: str, data_dir: Path | None):
+    """One split of a text task with a label an example: the hub's GLUE (no ``data_dir``), a GLUE TSV, or a
+    CSV / TSV / JSON lines / parquet table."""
     if data_dir is None:
         return load_glue_hub_split(task, split)
     data_dir = _resolve_text_dir(task, data_dir)
@@ -41,8 +34,10 @@ def _load_text_split(task: TaskSpec, split: str, data_dir: Path | None):
 
 
 def load_split(task: TaskSpec | str, split: str, data_dir: str | Path | None = None,
-               max_examples: int | None = None, seed: int = 0):
-    """One split of ``task``'s data.
+               max_examples: int | None = None, seed: int = 0, *, reader):
+    """One split of ``task``'s data; ``reader`` is the task's kind (``luna_convert.task_kinds``), which reads a
+    text split's files (``reader.read_files(task, split, data_dir)``) and turns a hub split into its rows
+    (``reader.read_datasets(task, ds, where, split)``).
 
     Text tasks: a ``datasets.Dataset`` with columns ``task.text_columns`` + ``"label"`` (int class
     ids; float for regression; -1 on unlabelled test splits; strings only for generic tasks whose
@@ -59,7 +54,7 @@ def load_split(task: TaskSpec | str, split: str, data_dir: str | Path | None = N
     if task.name == "digits":
         data_dir = None  # shipped with scikit-learn
     if data_dir is not None and datasets_source(data_dir) is not None:  # save_to_disk folder or hf:<id>
-        return load_datasets_split(task, split, data_dir, max_examples, seed)
+        return load_datasets_split(task, split, data_dir, max_examples, seed, reader)
     if data_dir is not None:
         data_dir = Path(data_dir).expanduser()
         if not data_dir.exists():
@@ -70,7 +65,7 @@ def load_split(task: TaskSpec | str, split: str, data_dir: str | Path | None = N
     if task.kind == "image":
         return load_image_split(task, split, data_dir, max_examples, seed)
 
-    ds = _load_text_split(task, split, data_dir)
+    ds = reader.read_files(task, split, data_dir)
     if len(ds) == 0:
         raise LunaConvertError(f"split {split!r} of task {task.name!r} has no examples")
     train = canonical_split(split) == "train"

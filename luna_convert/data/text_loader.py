@@ -99,16 +99,15 @@ def align_word_labels(word_ids: Sequence[int | None], word_labels: Sequence[int]
 
 
 def tokenize_dataset(dataset, task: TaskSpec | str, tokenizer, max_length: int = 128,
-                     chunk_size: int = 4096) -> tuple[dict[str, list[list[int]]], int, list | None]:
+                     chunk_size: int = 4096, words: bool = False) -> tuple[dict[str, list[list[int]]], int, list | None]:
     """Tokenize ``dataset``'s text columns once. Returns (features, number of truncated examples, each
-    example's word index per token for a token task (its ``tokens`` are words), else None)."""
+    example's word index per token when ``words`` (the text column holds lists of words), else None)."""
     task = get_task(task)
     missing = [c for c in task.text_columns if c not in dataset.column_names]
     if missing:
         raise LunaConvertError(
             f"the data has columns {dataset.column_names} but task {task.name!r} needs {list(task.text_columns)}"
         )
-    words = task.is_token_level
     if words and not getattr(tokenizer, "is_fast", False):
         raise LunaConvertError(f"task {task.name!r} needs a fast tokenizer (tokenizer.json) to map words to sub-word "
                                f"tokens, but {type(tokenizer).__name__} is a slow one; save the model's fast tokenizer "
@@ -133,10 +132,11 @@ def tokenize_dataset(dataset, task: TaskSpec | str, tokenizer, max_length: int =
 
 
 def make_text_dataloader(dataset, task: TaskSpec | str, tokenizer, *, batch_size: int, max_length: int = 128,
-                         shuffle: bool = False, seed: int = 0):
+                         shuffle: bool = False, seed: int = 0, words: bool = False):
     """A DataLoader of padded batches: ``input_ids``, ``attention_mask``, ``token_type_ids`` (when the
-    tokenizer makes them) and ``labels`` (long; float for regression; for a token task, one a token,
-    IGNORE_INDEX on padding, special tokens and sub-tokens after a word's first). Text is tokenized once here;
+    tokenizer makes them) and ``labels`` (long; float for regression; with ``words`` (a token task: lists of
+    words, a tag a word), one a token, IGNORE_INDEX on padding, special tokens and sub-tokens after a word's
+    first). Text is tokenized once here;
     each batch is padded to its longest example. Shuffling uses a ``torch.Generator`` seeded with
     ``seed``. ``loader.num_truncated`` counts examples cut to ``max_length``."""
     import torch
@@ -148,15 +148,15 @@ def make_text_dataloader(dataset, task: TaskSpec | str, tokenizer, *, batch_size
     if "label" not in dataset.column_names:
         raise LunaConvertError(f"the data for task {task.name!r} has no 'label' column")
     labels = list(dataset["label"])
-    values = [y for tags in labels for y in tags] if task.is_token_level else labels
+    values = [y for tags in labels for y in tags] if words else labels
     text_label = next((y for y in values if isinstance(y, str)), None)
     if text_label is not None:
         raise LunaConvertError(
             f"task {task.name!r} data has text labels such as {text_label!r}; "
             f"map them to class ids with align_labels first"
         )
-    features, truncated, word_ids = tokenize_dataset(dataset, task, tokenizer, max_length=max_length)
-    if task.is_token_level:
+    features, truncated, word_ids = tokenize_dataset(dataset, task, tokenizer, max_length=max_length, words=words)
+    if words:
         labels = [align_word_labels(w, tags) for w, tags in zip(word_ids, labels)]
     else:
         labels = [float(y) for y in labels] if task.is_regression else [int(y) for y in labels]
@@ -164,7 +164,7 @@ def make_text_dataloader(dataset, task: TaskSpec | str, tokenizer, *, batch_size
     if pad_id is None:
         pad_id = 0
     collate = _TextCollator(int(pad_id), getattr(tokenizer, "padding_side", "right"), task.is_regression,
-                            token_level=task.is_token_level)
+                            token_level=words)
     generator = torch.Generator()
     generator.manual_seed(int(seed))
     loader = DataLoader(_TokenizedDataset(features, labels), batch_size=batch_size, shuffle=shuffle,

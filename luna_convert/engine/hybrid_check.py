@@ -68,15 +68,16 @@ def output_change(layers: list, model, batches, max_examples: int = 32, device=N
     return [math.sqrt(diff / total) if total > 0 else 0.0 for diff, total in sums]
 
 
-def hybrid_check(accelerator, model, eval_loaders: dict, task, headline: str, full_score: float,
+def hybrid_check(accelerator, model, eval_loaders: dict, task, kind, headline: str, full_score: float,
                  examples: int) -> dict | None:
-    """The check of a trained window model (None: no layer has a window): results.json's ``hybrid_check``."""
+    """The check of a trained window model (None: no layer has a window): results.json's ``hybrid_check``
+    (``kind``: the task's kind, as :func:`luna_convert.engine.scoring.score` takes it)."""
     layers = window_layers(accelerator.unwrap_model(model))
     if not layers:
         return None
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), attention_mode(layers, AttentionMode.WINDOW_ONLY):
-        window_metrics, _ = score(accelerator, model, eval_loaders, task)
+        window_metrics, _ = score(accelerator, model, eval_loaders, task, kind)
     window_score = window_metrics[headline]
     change = output_change(layers, accelerator.unwrap_model(model), next(iter(eval_loaders.values())),
                            device=accelerator.device)

@@ -28,7 +28,7 @@ from ..fileio import atomic_write_json
 from ..folder_layout import STATE_FILE
 from ..layers.attention import AttentionMode, attention_mode
 from ..ops.reference import logits_distillation_loss
-from ..tasks import EMBEDDING_LOSSES, IGNORE_INDEX
+from ..tasks import IGNORE_INDEX
 
 
 
@@ -94,17 +94,6 @@ def teacher_kl(teacher: nn.Module, batch: dict, logits: torch.Tensor, over_posit
     with torch.no_grad():
         target = forward_logits(teacher, batch)
     return logits_distillation_loss(target, logits, batch.get("attention_mask"), over_positions=over_positions)
-
-
-def embedding_loss(embeddings: torch.Tensor, targets: torch.Tensor, kind: str = "cosine") -> torch.Tensor:
-    """How far sentence embeddings [B, D] are from the teacher's [B, D]: the mean of 1 - cosine similarity
-    ("cosine": the direction only, what similarity search reads) or the mean squared error ("mse")."""
-    embeddings, targets = embeddings.float(), targets.float()
-    if kind == "cosine":
-        return (1 - F.cosine_similarity(embeddings, targets, dim=-1)).mean()
-    if kind == "mse":
-        return F.mse_loss(embeddings, targets)
-    raise LunaConvertError(f"unknown embedding loss {kind!r}; use one of {', '.join(EMBEDDING_LOSSES)}")
 
 
 # ------------------------------------------------------------------ progress UI

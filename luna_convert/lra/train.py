@@ -28,6 +28,7 @@ from ..folder_layout import CONFIG_FILE, CURVES_FILE, LOG_FILE, MODEL_DIR, RESUL
 from ..run.plots import write_curves
 from ..run.results import RunResults, StepCounts, Timings
 from ..serialization import library_versions
+from ..task_kinds import kind_of
 from ..tasks import TaskSpec
 from .config import LRAConfig
 from .data import build_splits, default_cache_dir, make_loader, split_summary, task_info
@@ -166,7 +167,8 @@ def run_lra(config: LRAConfig | None, resume: str | Path | None = None, console=
     order = [config.eval_split] + [s for s in ("test", "dev") if s != config.eval_split]
     loaders = {s: make_loader(splits[s], t.eval_batch_size, shuffle=False, seed=0) for s in order}
     t0 = time.perf_counter()
-    metrics, counted = score(accelerator, model, loaders, lra_task_spec(config.task, num_classes))
+    task = lra_task_spec(config.task, num_classes)
+    metrics, counted = score(accelerator, model, loaders, task, kind_of(task))
     eval_s = time.perf_counter() - t0
     unwrapped = accelerator.unwrap_model(model)
     baseline = majority_accuracy(splits["train"].labels, splits[config.eval_split].labels)

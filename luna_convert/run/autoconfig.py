@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import LunaConvertError
+from ..task_kinds import kind_of
 from ..tasks import TaskSpec, get_task
 from .. import data
-from ..data import (TABLE_EXTENSIONS, align_labels, canonical_split, model_label_names, normalize_label_name,
+from ..data import (TABLE_EXTENSIONS, canonical_split, model_label_names, normalize_label_name,
                     short_list)
-from ..metrics import AGREEMENT_METRICS, SIMILARITY_METRICS, metric_names
 from .config import RunConfig
 
 __all__ = [
@@ -105,8 +105,7 @@ def resolve_metric(spec: TaskSpec, metric: str | None, num_classes: int | None =
 
     if not metric:
         return spec.headline
-    # embedding: which set applies depends on the data, so accept either; run.task_data checks the choice against it
-    names = SIMILARITY_METRICS + AGREEMENT_METRICS if spec.is_embedding_level else metric_names(spec, num_classes)
+    names = kind_of(spec).metric_choices(spec, num_classes)
     key = str(metric).strip().lower().replace("-", "_")
     if key not in names:
         key = METRIC_ALIASES.get(key, key)
@@ -406,8 +405,8 @@ def resolve_own_data(config: RunConfig, loaded, say: Callable[[str], None] | Non
                                    eval_split=eval_split)
         if data.datasets_source(data_dir) is not None and config.columns.label:
             spec = dataclasses.replace(spec, label_column=config.columns.label)
-        train_ds = data.load_split(spec, train_split, data_dir, max_examples=t.max_train_examples, seed=seed)
-        eval_ds = data.load_split(spec, eval_split, data_dir, max_examples=t.max_eval_examples, seed=seed)
+        train_ds = kind_of(spec).load_split(spec, train_split, data_dir, max_examples=t.max_train_examples, seed=seed)
+        eval_ds = kind_of(spec).load_split(spec, eval_split, data_dir, max_examples=t.max_eval_examples, seed=seed)
         classes = list(getattr(train_ds, "classes", []) or [])
         model_names = data.model_label_names(loaded.id2label, num_labels)
         if len(classes) != num_labels:
@@ -441,8 +440,8 @@ def resolve_own_data(config: RunConfig, loaded, say: Callable[[str], None] | Non
                                    num_labels=num_labels, label_names=label_names, train_split=train_split,
                                    eval_split=eval_split)
         columns = {"text": text, "text_pair": pair, "label": label, "why": col_why}
-        train_ds = data.load_split(spec, train_split, data_dir, max_examples=t.max_train_examples, seed=seed)
-        eval_ds = data.load_split(spec, eval_split, data_dir, max_examples=t.max_eval_examples, seed=seed)
+        train_ds = kind_of(spec).load_split(spec, train_split, data_dir, max_examples=t.max_train_examples, seed=seed)
+        eval_ds = kind_of(spec).load_split(spec, eval_split, data_dir, max_examples=t.max_eval_examples, seed=seed)
         labels = _check_text_labels(spec, train_ds, eval_ds, loaded, model_name, eval_split)
 
     n_train, n_eval = len(train_ds), len(eval_ds)
@@ -461,7 +460,7 @@ def resolve_own_data(config: RunConfig, loaded, say: Callable[[str], None] | Non
                  "train_examples": n_train, "eval_examples": n_eval},
         "columns": columns,
         "labels": labels,
-        "metric": {"headline": headline, "all": list(metric_names(spec, num_labels)),
+        "metric": {"headline": headline, "all": list(kind_of(spec).metric_names(spec, num_labels)),
                    "why": "--metric" if config.metric else f"{'regression' if spec.is_regression else 'classification'} default"},
         "model": {"kind": kind, "parameters": num_params, "num_labels": num_labels, "max_positions": limit},
         "max_length": length_info,
@@ -536,8 +535,8 @@ def _check_text_labels(spec: TaskSpec, train_ds, eval_ds, loaded, model_name: st
         return {"mapping": "regression targets", "range": [min(values), max(values)]}
     raw = sorted({str(y) for y in train_ds["label"]})
     string_labels = any(isinstance(y, str) for y in train_ds["label"])
-    train_ds = align_labels(train_ds, spec, loaded.id2label, loaded.num_labels)
-    eval_aligned = align_labels(eval_ds, spec, loaded.id2label, loaded.num_labels)
+    train_ds = kind_of(spec).align_labels(train_ds, spec, loaded.id2label, loaded.num_labels)
+    eval_aligned = kind_of(spec).align_labels(eval_ds, spec, loaded.id2label, loaded.num_labels)
     present = sorted({int(y) for y in train_ds["label"] if int(y) >= 0})
     if len(present) != loaded.num_labels:
         raise LunaConvertError(f"the train split has {len(present)} classes ({short_list(raw)}) but {model_name} "

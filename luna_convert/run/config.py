@@ -15,7 +15,8 @@ from typing import Any, Iterator, Mapping
 from ..errors import LunaConvertError, check_peft_available, unknown_name
 from ..linear_methods.options import AttentionOptions
 from ..linear_methods.registry import options_of, resolve_options
-from ..tasks import EMBEDDING_LOSSES, get_task
+from ..task_kinds import kind_of
+from ..tasks import EMBEDDING_LOSSES
 
 # The control run of `compare`: the original model finetuned unconverted with the same budget, so that
 # "% recovered" can be read against what the extra training alone does to the teacher.
@@ -193,13 +194,8 @@ class RunConfig:
         method names, every number and choice, and the method options (built as the method's options
         object), before any model is loaded. What only a model can tell is checked when it is loaded
         (``pipeline``: supported attention, keep_softmax_layers in range, options that fit its heads)."""
-        if self.task and get_task(self.task).is_embedding_level and self.distill.target == "logits":
-            raise LunaConvertError("distill.target=logits does not fit --task embedding (a sentence encoder has no "
-                                   "logits; its finetuning already matches the teacher's embeddings): use "
-                                   "--set distill.target=attention or output")
-        if self.task and get_task(self.task).is_embedding_level and self.train.teacher_kd:
-            raise LunaConvertError("train.teacher_kd does not fit --task embedding (its finetuning already matches "
-                                   "the teacher's embeddings): use --set train.teacher_kd=0")
+        if self.task:
+            kind_of(self.task).check_config(self)
         control = self.method == CONTROL_METHOD
         if not control:
             options_of(self.method)  # an unknown method name first

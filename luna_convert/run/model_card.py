@@ -19,6 +19,7 @@ from .config import RunConfig
 from .recipes import available_recipes, load_recipe
 from ..folder_layout import MODEL_CARD_FILE, RESULTS_FILE
 from .results import RunResults
+from ..task_kinds import kind_of
 
 LIBRARY_NAME = "luna-convert"
 # Settings that name or place a run rather than decide what it computes.
@@ -48,10 +49,7 @@ def model_card_text(results: RunResults, config: RunConfig) -> str:
 
 def card_metadata(results: RunResults, config: RunConfig) -> dict:
     task = task_for(config)
-    pipeline_tag = ("image-classification" if task.kind == "image" else
-                    "token-classification" if task.is_token_level else
-                    "question-answering" if task.is_span_level else
-                    "sentence-similarity" if task.is_embedding_level else "text-classification")
+    pipeline_tag = kind_of(task).pipeline_tag(task)
     method = results.method
     converted = results.converted_metrics
     meta: dict = {}

@@ -18,6 +18,7 @@ from ..folder_layout import CONVERSION_FILE, HF_CONFIG_FILE, MODEL_DIR
 from ..model_building import LoadedModel, create_timm_model
 from ..sentence_embedding import SentenceEmbedder, is_sentence_transformers_folder, read_layout
 from ..serialization import load, read_metadata
+from ..task_kinds import TaskKind, check_head, kind_named
 from .teachers import builtin_dir, is_packaged
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
@@ -99,19 +100,20 @@ def example_inputs(model: nn.Module) -> tuple[tuple, dict]:
     return (), {"input_ids": ids.to(ref.device)}
 
 
-def load_model(source: str, num_labels: int | None = None, level: str = "sequence") -> LoadedModel:
+def load_model(source: str, num_labels: int | None = None, kind: TaskKind | str = "sequence") -> LoadedModel:
     """Load a classifier and its preprocessing. ``num_labels`` sizes a fresh head only when the
-    checkpoint has none (a base model); a finetuned head is kept as it is. ``level`` is the task's
-    (:class:`~luna_convert.tasks.TaskSpec`): "token" loads a token-classification model (a prediction a
-    token, for NER), "span" a question-answering one (start and end logits a token), "embedding" a sentence
-    encoder (:func:`load_sentence_embedder`). A checkpoint whose head (its ``architectures``) is of another
-    kind is refused."""
+    checkpoint has none (a base model); a finetuned head is kept as it is. ``kind`` is the task's kind
+    (:mod:`luna_convert.task_kinds`, or its name): its ``auto_class`` loads its head (a prediction a token for
+    NER, start and end logits a token for QA); a ``sentence_encoder`` kind loads a sentence encoder
+    (:func:`load_sentence_embedder`). A checkpoint whose head (its ``architectures``) is of another kind is
+    refused."""
+    kind = kind_named(kind)
     path = Path(source)
     if path.is_dir() and (path / CONVERSION_FILE).is_file():
         meta = read_metadata(path)
         if meta["model"]["library"] == "transformers":
-            _check_embedding(meta["model"].get("sentence_embedding") is not None, source, level)
-            _check_head([meta["model"]["class"]], source, level)
+            kind.check_encoder(meta["model"].get("sentence_embedding") is not None, source)
+            check_head(kind, [meta["model"]["class"]], source)
         model = load(path)
         if meta["model"]["library"] == "timm":
             return LoadedModel(model, "image", image_config=meta.get("image_config") or _timm_image_config(model),
@@ -128,8 +130,8 @@ def load_model(source: str, num_labels: int | None = None, level: str = "sequenc
         if not (folder / CONVERSION_FILE).is_file() and not is_packaged(source[8:]):
             raise LunaConvertError(f"the built-in teacher {source} is not trained yet; run a recipe that uses it "
                                    "(e.g. `luna-convert demo`) first")
-        return load_model(str(folder), num_labels, level)
-    if level == "embedding":
+        return load_model(str(folder), num_labels, kind)
+    if kind.sentence_encoder:
         return load_sentence_embedder(source)
     if missing_local_folder(source):
         raise LunaConvertError(f"model folder {source} does not exist; pass a local folder or a hub id")
@@ -145,8 +147,8 @@ def load_model(source: str, num_labels: int | None = None, level: str = "sequenc
         if _is_vision_config(config):
             auto = transformers.AutoModelForImageClassification
         else:
-            _check_head(list(getattr(config, "architectures", None) or []), source, level)
-            auto = getattr(transformers, _AUTO_CLASSES[level])
+            check_head(kind, list(getattr(config, "architectures", None) or []), source)
+            auto = getattr(transformers, kind.auto_class)
         model = auto.from_pretrained(source, **kwargs)
     except LunaConvertError:
         raise
@@ -159,35 +161,6 @@ def load_model(source: str, num_labels: int | None = None, level: str = "sequenc
             raise
         raise _local_load_error(source, e) from e
     return _with_transformers_preprocessing(model, source, source)
-
-
-# task level -> the transformers auto class that loads its head
-_AUTO_CLASSES = {"sequence": "AutoModelForSequenceClassification", "token": "AutoModelForTokenClassification",
-                 "span": "AutoModelForQuestionAnswering"}
-# task level -> (architecture suffix of its head, what the head is called, the task that runs it)
-_HEADS = {"token": ("ForTokenClassification", "token-classification (NER)", "ner"),
-          "span": ("ForQuestionAnswering", "question-answering", "qa")}
-
-
-def _check_head(architectures: list[str], source: str, level: str) -> None:
-    """A text checkpoint's head (its model classes) fits the task: loading a token or QA head as a sequence
-    one (or the other way) would silently replace the finetuned head with an untrained one."""
-    for head_level, (suffix, what, task) in _HEADS.items():
-        has_head = any(a.endswith(suffix) for a in architectures)
-        if has_head and level != head_level:
-            raise LunaConvertError(f"{source} is a {what} model ({architectures[0]}); run it with --task {task}")
-        if level == head_level and architectures and not has_head:
-            raise LunaConvertError(f"{source} is not a {what.split(' ')[0]} model (its architectures: "
-                                   f"{', '.join(architectures)}); --task {task} needs one, e.g. Bert{suffix}")
-
-
-def _check_embedding(is_embedder: bool, source: str, level: str) -> None:
-    """A saved sentence embedding model runs only as the embedding task, and the embedding task only on one."""
-    if is_embedder and level != "embedding":
-        raise LunaConvertError(f"{source} is a sentence embedding model; run it with --task embedding")
-    if level == "embedding" and not is_embedder:
-        raise LunaConvertError(f"{source} is a luna-convert model folder of a classifier, not a sentence embedding "
-                               "model; --task embedding needs a sentence-transformers folder or a transformers encoder")
 
 
 def load_sentence_embedder(source: str) -> LoadedModel:

@@ -11,7 +11,6 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,7 +31,8 @@ from ..serialization import library_versions, save
 from ..engine.head_fit import head_fit
 from ..engine.hybrid_check import describe as describe_hybrid_check, hybrid_check
 from ..engine.lora import add_lora, merge_lora
-from ..engine.training import distill_attention, embedding_loss, finetune, read_trainer_state
+from ..engine.training import distill_attention, finetune, read_trainer_state
+from ..task_kinds import TaskKind, kind_of
 from ..tasks import get_task
 from .models import check_model_folder, load_model, missing_local_folder
 from .preflight import Checked, preflight
@@ -228,6 +228,11 @@ class Run:
     def headline(self) -> str:
         return headline_metric(self.task)
 
+    @property
+    def kind(self) -> TaskKind:
+        """The task's kind, whose hooks the stages call."""
+        return kind_of(self.task)
+
 
 @dataclass
 class Loaded:
@@ -319,7 +324,7 @@ def score_original(run: Run, model, eval_loaders: dict) -> dict:
     else:
         run.say(f"scoring the original model on the {' and '.join(eval_loaders)} split")
         t0 = time.perf_counter()
-        metrics, _ = score(run.accelerator, model, eval_loaders, run.task)
+        metrics, _ = score(run.accelerator, model, eval_loaders, run.task, run.kind)
         teacher = {"metrics": metrics, "seconds": time.perf_counter() - t0}
         if run.accelerator.is_main_process:
             atomic_write_json(teacher_file, teacher)
@@ -337,7 +342,7 @@ def stage_score(run: Run, model, eval_loaders: dict, name: str) -> None:
     # Scoring must not move the run's RNG stream: a resumed run skips it.
     devices = [run.accelerator.device] if run.accelerator.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        stage_metrics, _ = score(run.accelerator, model, eval_loaders, run.task)
+        stage_metrics, _ = score(run.accelerator, model, eval_loaders, run.task, run.kind)
     run.stage_scores[name] = stage_metrics[run.headline]
     run.say(f"{name.replace('_', ' ')} {run.headline}: {run.stage_scores[name]:.4f}")
     if run.accelerator.is_main_process:
@@ -394,7 +399,7 @@ def distil_stage(run: Run, model, checked: Checked, converted: Converted) -> Non
         d = run.config.distill
         stage = distill_attention(accelerator, model, accelerator.prepare_data_loader(
             checked.data.train_loader(d.batch_size)), steps=n_distill, lr=d.lr, log=run.log, target=d.target,
-            span_logits=run.task.is_span_level)
+            span_logits=run.kind.span_logits)
         run.timings["distill_s"] = stage.seconds
         if accelerator.is_main_process:
             save(model, distilled_dir, overwrite=True,
@@ -424,9 +429,8 @@ def finetune_stage(run: Run, loaded: Loaded, checked: Checked, converted: Conver
                             weight_decay=t.weight_decay, schedule=t.schedule, warmup_ratio=t.warmup_ratio,
                             max_grad_norm=t.max_grad_norm, run_dir=run.run_dir, checkpoint_every=t.checkpoint_every,
                             start_step=start, log=run.log, added_lr=t.added_lr,
-                            loss_fn=partial(embedding_loss, kind=t.embedding_loss) if run.task.is_embedding_level
-                            else None,
-                            teacher=loaded.kd_teacher, teacher_weight=t.teacher_kd, span_logits=run.task.is_span_level)
+                            loss_fn=run.kind.loss_fn(t), teacher=loaded.kd_teacher, teacher_weight=t.teacher_kd,
+                            span_logits=run.kind.span_logits)
     loaded.kd_teacher = None  # its memory back before scoring
     run.timings["finetune_s"] = stage.seconds
     return Trained(model, stage, lora)
@@ -437,14 +441,14 @@ def score_stage(run: Run, trained: Trained, checked: Checked, loaded: Loaded, co
     config, accelerator, eval_loaders, data = run.config, run.accelerator, checked.eval_loaders, checked.data
     run.say(f"scoring the converted model on the {' and '.join(eval_loaders)} split")
     t0 = time.perf_counter()
-    metrics, counted = score(accelerator, trained.model, eval_loaders, run.task)
+    metrics, counted = score(accelerator, trained.model, eval_loaders, run.task, run.kind)
     run.timings["eval_s"] = time.perf_counter() - t0
     # Which heads the kernel follows (per head: softmax entropy, KL to the linear rows).
     fit = None if run.control else head_fit(accelerator.unwrap_model(trained.model), next(iter(eval_loaders.values())),
                                             device=accelerator.device)
     # A window hybrid: what its linear part still adds (the score and each layer's output without it).
-    check = None if run.control else hybrid_check(accelerator, trained.model, eval_loaders, run.task, run.headline,
-                                                  metrics[run.headline], counted)
+    check = None if run.control else hybrid_check(accelerator, trained.model, eval_loaders, run.task, run.kind,
+                                                  run.headline, metrics[run.headline], counted)
     if check is not None:
         run.say(describe_hybrid_check(check, run.headline))
     if trained.lora is not None:  # the saved model is the plain architecture, adapters folded into its weights
@@ -550,21 +554,22 @@ def evaluate_model(path: str | Path, task: str | None = None, data_dir: str | No
                                    if holdout_of(run_config) else None, batch_size=batch_size,
                                    max_length=max_length or run_config.train.max_length))
     config.validate()  # --encoding
-    loaded = load_model(source, task.num_labels, level=task.level)
+    kind = kind_of(task)
+    loaded = load_model(source, task.num_labels, kind=kind)
     if heads and not is_converted(loaded.model):
         raise LunaConvertError(f"{source} is not converted: --heads compares a converted model's linear attention "
                                "with softmax; pass a run folder or a converted model")
     accelerator = Accelerator()
     loaded.model.to(accelerator.device)
     teacher = None
-    if task.is_embedding_level and is_converted(loaded.model) and run_config.model:
+    if kind.scored_against_teacher and is_converted(loaded.model) and run_config.model:
         def teacher():  # the run's unconverted model, loaded only if the score needs its embeddings
             origin = ensure_builtin(run_config.model, accelerator, run_config.output_dir, console=lambda *a, **k: None,
                                     data_dir=run_config.data_dir)
-            return load_model(origin, level=task.level).model
+            return load_model(origin, kind=kind).model
     data = TaskData(config, loaded, task, accelerator, teacher=teacher)
     eval_loaders = data.eval_loaders()
-    metrics, counted = score(accelerator, loaded.model, eval_loaders, data.task)
+    metrics, counted = score(accelerator, loaded.model, eval_loaders, data.task, data.kind)
     result = {"model": source, "task": task.name, "metrics": metrics, "eval_examples": counted,
               "converted": is_converted(loaded.model)}
     if heads:

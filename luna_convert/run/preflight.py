@@ -19,6 +19,7 @@ from ..data import text_encoding
 from ..errors import ConversionError, LunaConvertError
 from ..linear_methods.options import AttentionOptions
 from ..model_building import LoadedModel
+from ..task_kinds import kind_of
 from .autoconfig import resolve_own_data, task_for
 from .config import CONTROL_METHOD, RunConfig
 from .models import example_inputs, load_model
@@ -45,7 +46,7 @@ def preflight(config: RunConfig, run_dir: Path, accelerator, task=None,
     check_writable(run_dir)  # first: a folder that cannot be written fails before minutes of loading
     source = ensure_builtin(config.model, accelerator, config.output_dir, console=say, data_dir=config.data_dir)
     set_seed(config.seed)
-    loaded = load_model(source, task.num_labels if task else None, level=task.level if task else "sequence")
+    loaded = load_model(source, task.num_labels if task else None, kind=kind_of(task) if task else "sequence")
     if loaded.note:
         say(loaded.note)
     if task is None:

@@ -3,7 +3,6 @@ the number of optimiser steps a training config asks for."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable
 
@@ -13,7 +12,7 @@ from .. import data
 from ..conversion import is_converted
 from ..engine.training import predict
 from ..errors import LunaConvertError
-from ..metrics import AGREEMENT_METRICS, SIMILARITY_METRICS
+from ..task_kinds import kind_of
 from .autoconfig import check_positions
 from .config import RunConfig
 
@@ -29,9 +28,11 @@ def holdout_of(config: RunConfig) -> float | None:
 
 
 class TaskData:
-    """The task's splits and loaders for one model's preprocessing. ``task`` is the task as scored: a token
-    task gets its tag names (``label_names``) from the model's id2label; the embedding task its headline from
-    the eval data (Spearman where it holds scored sentence pairs, else the agreement with the teacher).
+    """The task's splits and loaders for one model's preprocessing, as the task's kind (``self.kind``) reads,
+    aligns and collates them. ``task`` is the task as scored: the kind's ``task_for_model`` and
+    ``task_for_data`` (a token task gets its tag names from the model's id2label; the embedding task its
+    headline from the eval data: Spearman where it holds scored sentence pairs, else the agreement with the
+    teacher).
 
     The embedding task's targets are the teacher's embeddings of each split's texts, computed once a split
     (on ``accelerator``'s device) by ``teacher()`` (None: ``loaded.model``, which must then be unconverted:
@@ -39,9 +40,8 @@ class TaskData:
 
     def __init__(self, config: RunConfig, loaded, task, accelerator=None,
                  teacher: Callable[[], nn.Module] | None = None):
-        if task.is_token_level:
-            names = data.token_label_names(loaded.id2label, loaded.num_labels)
-            task = dataclasses.replace(task, label_names=names, num_labels=len(names))
+        kind = kind_of(task)
+        task = kind.task_for_model(task, loaded)
         t = config.train
         loaded_splits: dict = {}  # (split, limit) -> dataset: the embedding task reads its eval split twice
 
@@ -60,50 +60,28 @@ class TaskData:
         def read(name: str, limit):
             if (name, limit) not in loaded_splits:
                 with data.text_encoding(config.encoding):
-                    dataset = data.load_split(task, name, config.data_dir, max_examples=limit, seed=config.seed)
+                    dataset = kind.load_split(task, name, config.data_dir, max_examples=limit, seed=config.seed)
                 # every image decoded now (up to a size), before the run writes anything
                 dataset, self.skipped_images[name] = data.readable_images(dataset, config.skip_unreadable_images)
                 loaded_splits[name, limit] = dataset
             return loaded_splits[name, limit]
 
-        if task.is_embedding_level:
-            eval_split = load(self.eval_split, t.max_eval_examples)
-            names = SIMILARITY_METRICS if data.has_similarity_scores(eval_split) else AGREEMENT_METRICS
-            if config.metric and task.headline not in names:  # a metric this data cannot give: say so, never swap it
-                has = "plain texts" if names is AGREEMENT_METRICS else "sentence pairs with similarity scores"
-                raise LunaConvertError(f"--metric {task.headline} cannot be computed on this data ({has}); choose one "
-                                       f"of {', '.join(names)}")
-            task = dataclasses.replace(task, headline=task.headline if task.headline in names else names[0])
-        self.task, self.loaded, self.config = task, loaded, config
+        task = kind.task_for_data(task, lambda: load(self.eval_split, t.max_eval_examples), bool(config.metric))
+        self.task, self.kind, self.loaded, self.config = task, kind, loaded, config
         self.accelerator, self.teacher = accelerator, teacher
         self.teacher_targets: dict[str, object] = {}  # split -> the teacher's embeddings of its texts [N, D]
         self.truncated_by_split: dict[str, int] = {}  # examples cut to max_length; each split counted once
 
         def split(name: str, limit, train: bool, batch_size: int):
             dataset = load(name, limit)
-            if task.is_span_level:  # answers are spans of the context: no labels to align with the model's
-                loader = data.make_qa_dataloader(dataset, loaded.tokenizer, batch_size=batch_size,
-                                                 max_length=t.max_length, shuffle=train, seed=config.seed)
+            if task.kind == "text":
+                loader = kind.text_loader(task, dataset, loaded, train=train, batch_size=batch_size,
+                                          max_length=t.max_length, seed=config.seed,
+                                          teacher_targets=lambda texts: self.teacher_embeddings(name, texts))
                 self.truncated_by_split[name] = loader.num_truncated
                 check_positions(loaded, loader.longest, t.max_length)
-            elif task.is_embedding_level:  # targets: the pairs' scores, else the teacher's embeddings
-                scored = not train and data.has_similarity_scores(dataset)
-                texts = data.embedding_texts(dataset, interleave_pairs=scored)
-                targets = ([score for score in dataset["label"] for _ in range(2)] if scored
-                           else self.teacher_embeddings(name, texts))
-                loader = data.make_embedding_dataloader(texts, targets, loaded.tokenizer, batch_size=batch_size,
-                                                        max_length=t.max_length, shuffle=train, seed=config.seed)
-                loader.scored_pairs = scored
-                self.truncated_by_split[name] = loader.num_truncated
-                check_positions(loaded, loader.longest, t.max_length)
-            elif task.kind == "text":
-                dataset = data.align_labels(dataset, task, loaded.id2label, loaded.num_labels)
-                loader = data.make_text_dataloader(dataset, task, loaded.tokenizer, batch_size=batch_size,
-                                                   max_length=t.max_length, shuffle=train, seed=config.seed)
-                self.truncated_by_split[name] = getattr(loader, "num_truncated", 0)
-                check_positions(loaded, getattr(loader, "longest", 0), t.max_length)
             else:
-                dataset = data.align_labels(dataset, task, loaded.id2label, loaded.num_labels)  # names -> model ids
+                dataset = kind.align_labels(dataset, task, loaded.id2label, loaded.num_labels)  # names -> model ids
                 _check_image_labels(dataset, loaded.num_labels, name)
                 size = t.image_size or loaded.image_config["size"]
                 transform = data.image_transform(loaded.image_config["mean"], loaded.image_config["std"], size,

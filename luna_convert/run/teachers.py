@@ -212,7 +212,7 @@ def train_builtin(name: str, folder: Path, data_dir: str | Path | None = None) -
     model, _ = finetune(accelerator, loaded.model.to(accelerator.device), loader, steps=steps, lr=t.lr,
                         weight_decay=t.weight_decay, schedule=t.schedule, warmup_ratio=t.warmup_ratio,
                         stage=f"teacher {name}")
-    metrics, _ = score(accelerator, model, data.eval_loaders(), task)
+    metrics, _ = score(accelerator, model, data.eval_loaders(), data.task, data.kind)
     if accelerator.is_main_process:
         save(accelerator.unwrap_model(model), folder, tokenizer=loaded.tokenizer, overwrite=True,
              extra={"image_config": loaded.image_config or None, "task": task.name, "teacher_metrics": metrics,

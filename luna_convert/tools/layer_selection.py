@@ -43,6 +43,7 @@ from ..model_building import TIMM_ARGS_ATTR, create_timm_model, timm_create_args
 from ..run.config import AUTO_LAYERS, RunConfig
 from ..run.model_card import write_model_card
 from ..run import pipeline
+from ..task_kinds import kind_of
 from ..run.pipeline import check_run_folder, clear_run_folder, distill_steps, evaluate_model, new_run_dir
 from ..run.results import RunResults
 from ..serialization import load
@@ -297,7 +298,7 @@ def restored_layer_scores(accelerator, model, eval_loaders: dict, task) -> dict[
         if layer is None:
             continue  # left softmax already (a local layer)
         with torch.no_grad(), attention_mode([layer], AttentionMode.SOFTMAX):
-            metrics, _ = score(accelerator, model, eval_loaders, task)
+            metrics, _ = score(accelerator, model, eval_loaders, task, kind_of(task))
         out[index] = metrics[headline_metric(task)]
     return out
 
