@@ -5,12 +5,16 @@
     luna_convert.save(model, "outputs/my-model", tokenizer=tok)
     model = luna_convert.load("outputs/my-model")
 
-Names are imported on first use so that the command line starts fast.
+Names are imported on first use so that the command line starts fast. Importing the package also teaches
+transformers the model type of a converted model's folder (``AutoModel*.from_pretrained`` then rebuilds it
+converted): at once if transformers' AutoConfig is loaded, else as soon as it is.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 
 __version__ = "0.1.0"
 
@@ -34,3 +38,36 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(list(globals()) + __all__)
+
+
+# transformers' AutoConfig module: once it is imported, integrations/transformers_auto.py registers the model
+# type of converted models with it (importing transformers here would slow every start of the command line).
+_AUTO_CONFIG_MODULE = "transformers.models.auto.configuration_auto"
+_AUTO_REGISTRATION = ".integrations.transformers_auto"
+
+
+class _RegisterWithTransformers:
+    """A meta-path finder that finds nothing itself: when transformers' AutoConfig module is imported, it has the
+    module's own loader run it, then imports the registration (once; it then leaves ``sys.meta_path``)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _AUTO_CONFIG_MODULE:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            run_module = spec.loader.exec_module
+
+            def run_then_register(module):
+                run_module(module)
+                importlib.import_module(_AUTO_REGISTRATION, __name__)
+
+            spec.loader.exec_module = run_then_register
+        return spec
+
+
+if _AUTO_CONFIG_MODULE in sys.modules:
+    importlib.import_module(_AUTO_REGISTRATION, __name__)
+elif not any(isinstance(finder, _RegisterWithTransformers) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWithTransformers())

@@ -10,8 +10,8 @@ from typing import Callable, Sequence
 
 from torch import nn
 
-from .adapters import (attention_like_classes, check_supported, find_adapter, linearize, patch_grid,
-                       LinearizedAttention)
+from .adapters import (attention_like_classes, check_supported, find_adapter, is_transformers_config, linearize,
+                       mark_converted, patch_grid, LinearizedAttention)
 from .errors import ConversionError
 from .layers.attention import LinearAttention
 from .linear_methods.base import AttentionOptions
@@ -160,8 +160,30 @@ def convert(
         replaced.append(ReplacedModule(name, original_class, adapter.name, num_heads, head_dim,
                                        linear_attn.feature_dim, sum(p.numel() for p in linear_attn.parameters())))
 
-    setattr(model, CONFIG_ATTR, ConversionConfig(method, resolved, [r.name for r in replaced], convert_local_layers))
+    conversion = ConversionConfig(method, resolved, [r.name for r in replaced], convert_local_layers)
+    setattr(model, CONFIG_ATTR, conversion)
+    config = getattr(model, "config", None)
+    if is_transformers_config(config):  # save_pretrained then writes a folder only luna-convert loads
+        mark_converted(config, conversion.to_dict())
     return ConversionReport(method, resolved, replaced, kept_local, sorted(kept))
+
+
+def convert_as_recorded(model: nn.Module, record: dict) -> ConversionReport:
+    """Convert ``model`` as a saved conversion record (``ConversionConfig.to_dict()``) says: the same method,
+    options and modules. The record may name a former method name (an alias); options it lacks take the values
+    of the version that wrote it. Module names are compared without the base model's prefix (``bert.``), so a
+    record made on a model with a task head converts the bare encoder too, and the other way round."""
+    spec = get_method(record["method"])
+    options = resolve_options(spec.name, spec.options.with_saved_defaults(record["options"]))
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    bare = lambda name: name.removeprefix(f"{prefix}.") if prefix else name  # noqa: E731
+    targets = {bare(name) for name in record["targets"]}
+    report = convert(model, spec.name, filter_fn=lambda _m, name: bare(name) in targets,
+                     convert_local_layers=record.get("convert_local_layers", False), options=options)
+    if len(report.modules) != len(targets):
+        raise ConversionError(f"the saved conversion names {len(targets)} attention modules; this "
+                              f"{type(model).__name__} has {len(report.modules)} of them")
+    return report
 
 
 def linear_attention_modules(model: nn.Module) -> list[LinearAttention]:

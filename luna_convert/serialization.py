@@ -3,10 +3,14 @@
 Folder layout::
 
     linear_attention.json   method, options, targets, how to rebuild the model, versions
-    config.json             transformers model config (transformers models only)
+    config.json             transformers model config (transformers models only; a converted model's names the
+                            model type luna_convert and holds the conversion record, see adapters/hf_config.py)
     model.safetensors       every weight, original and added
     tokenizer / image-processor files, when given
     modules.json, 1_Pooling/, ...   a sentence embedding model's sentence-transformers layout
+
+``load`` also reads what transformers' ``save_pretrained`` (or ``push_to_hub``) writes for a converted model:
+config.json and model.safetensors (or its shards), the record read from config.json.
 """
 
 from __future__ import annotations
@@ -21,11 +25,11 @@ from safetensors.torch import load_model, save_model
 import torch
 from torch import nn
 
-from .conversion import CONFIG_ATTR, convert, resolve_options
+from .adapters import MODEL_TYPE, RECORD_KEY
+from .conversion import CONFIG_ATTR, convert_as_recorded
 from .errors import LunaConvertError
 from .fileio import atomic_directory, atomic_write_json
 from .folder_layout import CONVERSION_FILE, HF_CONFIG_FILE, MODEL_DIR, WEIGHTS_FILE
-from .linear_methods.registry import get_method
 from .model_building import TIMM_ARGS_ATTR, create_timm_model, timm_create_args
 from .sentence_embedding import SentenceEmbedder, write_layout
 
@@ -106,11 +110,31 @@ def save(model: nn.Module, directory: str | Path, tokenizer=None, processor=None
     return directory
 
 
-def _is_transformers_checkpoint(directory: Path) -> bool:
+def _transformers_config(directory: Path) -> dict | None:
+    """The fields of the folder's transformers config.json, or None where there is none (or it is no object)."""
     try:
-        return "model_type" in json.loads((directory / HF_CONFIG_FILE).read_text())
+        fields = json.loads((directory / HF_CONFIG_FILE).read_text())
     except (OSError, ValueError, TypeError):
-        return False
+        return None
+    return fields if isinstance(fields, dict) else None
+
+
+def _is_transformers_checkpoint(directory: Path) -> bool:
+    return "model_type" in (_transformers_config(directory) or {})
+
+
+# How a folder without linear_attention.json was written: transformers' save_pretrained (or push_to_hub) of a
+# converted model, whose config.json holds the conversion record (adapters/hf_config.py).
+SAVE_PRETRAINED = "save_pretrained"
+
+
+def _metadata_from_config(fields: dict) -> dict:
+    """What linear_attention.json would hold, read from a converted model's config.json."""
+    architectures = fields.get("architectures")
+    return {"format_version": FORMAT_VERSION, "conversion": fields.get(RECORD_KEY),
+            "model": {"library": "transformers",
+                      "class": architectures[0] if isinstance(architectures, list) and architectures else None},
+            "dtype": fields.get("dtype") or fields.get("torch_dtype"), "saved_with": SAVE_PRETRAINED}
 
 
 def read_metadata(directory: str | Path) -> dict:
@@ -119,8 +143,17 @@ def read_metadata(directory: str | Path) -> dict:
     if not path.is_file():
         if not directory.exists():
             raise LunaConvertError(f"{directory} does not exist; pass a run folder or a folder written by luna_convert.save")
+        fields = _transformers_config(directory) or {}
+        converted = fields.get("model_type") == MODEL_TYPE
+        if converted and fields.get("architectures"):  # written by save_pretrained, which names the class
+            meta = _metadata_from_config(fields)
+            check_metadata(meta, directory / HF_CONFIG_FILE)
+            return meta
         hint = "pass a run folder (outputs/<run>) or a folder written by luna_convert.save"
-        if _is_transformers_checkpoint(directory):
+        if converted:
+            hint = (f"its {HF_CONFIG_FILE} is a converted model's but names no architecture: restore {CONVERSION_FILE} "
+                    "or save the model again")
+        elif _is_transformers_checkpoint(directory):
             hint = ("it is a transformers checkpoint: load it with transformers' from_pretrained and convert it with "
                     "luna_convert.convert")
         raise LunaConvertError(f"{directory} is not a luna-convert model folder (no {CONVERSION_FILE}); {hint}")
@@ -212,20 +245,48 @@ def load(directory: str | Path) -> nn.Module:
         # Rebuild in the saved precision: loading bf16 weights into a float32 model would
         # silently give a different (upcast) model than the one saved.
         model = model.to(dtype)
-    conversion = meta.get("conversion")
-    if conversion is not None:
-        target_names = set(conversion["targets"])
-        # The saved name may be a former one (an alias); the options object is rebuilt from its fields, the
-        # ones an older version did not write taking that version's values.
-        spec = get_method(conversion["method"])
-        options = resolve_options(spec.name, spec.options.with_saved_defaults(conversion["options"]))
-        convert(model, spec.name, filter_fn=lambda _m, name: name in target_names,
-                convert_local_layers=conversion.get("convert_local_layers", False), options=options)
+    if meta.get("conversion") is not None:
+        convert_as_recorded(model, meta["conversion"])
     weights = directory / WEIGHTS_FILE
-    if not weights.is_file():
+    files = [weights] if weights.is_file() else _shards(directory)
+    if not files:
         raise LunaConvertError(f"{weights} is missing; the folder is incomplete, re-run or restore it")
+    missing, unexpected = None, set()
+    for file in files:
+        left, extra = _load_weights_file(model, file)
+        missing = set(left) if missing is None else missing & set(left)  # a shard holds some of the weights
+        unexpected |= set(extra)
+    if meta.get("saved_with") != SAVE_PRETRAINED:  # save_pretrained records no digest
+        _check_digest(weights, meta.get(DIGEST_KEY))  # after the reader's own checks, which name a truncation
+    if missing or unexpected:
+        raise LunaConvertError(
+            f"{weights} does not match the recorded model (missing {sorted(missing)[:3]}, unexpected "
+            f"{sorted(unexpected)[:3]}); the folder was edited or written by another version"
+        )
+    return model.eval()
+
+
+def _shards(directory: Path) -> list[Path]:
+    """The weight files of a sharded save_pretrained folder (model.safetensors.index.json), or []."""
+    index = directory / f"{WEIGHTS_FILE}.index.json"
+    if not index.is_file():
+        return []
     try:
-        missing, unexpected = load_model(model, str(weights), strict=False)
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise LunaConvertError(f"{index} is corrupt ({type(e).__name__}); restore it or save the model again") from None
+    files = [directory / name for name in names]
+    absent = [file.name for file in files if not file.is_file()]
+    if absent:
+        raise LunaConvertError(f"{directory} misses the weight files {absent[:3]} its {index.name} names; the folder is "
+                               "incomplete, restore it")
+    return files
+
+
+def _load_weights_file(model: nn.Module, weights: Path) -> tuple[list[str], list[str]]:
+    """Load one safetensors file into ``model`` (not strict): (missing, unexpected) names; a bad file is one error."""
+    try:
+        return load_model(model, str(weights), strict=False)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         mismatch = next((line for line in lines if "size mismatch" in line), None)
@@ -237,13 +298,6 @@ def load(directory: str | Path) -> nn.Module:
         raise LunaConvertError(
             f"{weights} is truncated or corrupt ({lines[0][:300]}); re-run the conversion or restore the file"
         ) from None
-    _check_digest(weights, meta.get(DIGEST_KEY))  # after the reader's own checks, which name a truncation
-    if missing or unexpected:
-        raise LunaConvertError(
-            f"{weights} does not match the recorded model (missing {sorted(missing)[:3]}, unexpected "
-            f"{sorted(unexpected)[:3]}); the folder was edited or written by another version"
-        )
-    return model.eval()
 
 
 def _check_digest(weights: Path, recorded: str | None) -> None:

@@ -16,12 +16,16 @@ from . import bert, distilbert, vit, timm_vit, albert, clip, modernbert  # noqa:
 from . import mpnet, deberta, beit, swin  # noqa: F401  (refused families)
 from .base import LinearizedAttention, key_padding_mask, sliding_window_key_padding_mask
 from .grid import PatchGrid, patch_grid, vision_grid
+from .hf_config import (BASE_TYPE_KEY, MODEL_TYPE, RECORD_KEY, LinearizedConfig, is_transformers_config,
+                        linearized_config_class, mark_converted)
 from .registry import (ADAPTERS, REFUSALS, Adapter, Refusal, attention_like_classes, check_no_position_biases,
                        check_supported, find_adapter, linearize, linearized_class,
                        unknown_members)
 
 __all__ = [
-    "ADAPTERS", "REFUSALS", "Adapter", "LinearizedAttention", "PatchGrid", "Refusal", "attention_like_classes",
-    "check_no_position_biases", "check_supported", "find_adapter", "key_padding_mask", "linearize",
-    "linearized_class", "patch_grid", "sliding_window_key_padding_mask", "unknown_members", "vision_grid",
+    "ADAPTERS", "BASE_TYPE_KEY", "MODEL_TYPE", "RECORD_KEY", "REFUSALS", "Adapter", "LinearizedAttention",
+    "LinearizedConfig", "PatchGrid", "Refusal", "attention_like_classes", "check_no_position_biases",
+    "check_supported", "find_adapter", "is_transformers_config", "key_padding_mask", "linearize", "linearized_class",
+    "linearized_config_class", "mark_converted", "patch_grid", "sliding_window_key_padding_mask", "unknown_members",
+    "vision_grid",
 ]

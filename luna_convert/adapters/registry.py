@@ -134,13 +134,27 @@ _LINEAR_CLASSES: dict[tuple[type, type], type] = {}
 
 
 def linearized_class(base: type, mixin: type) -> type:
-    """``Linear<Base>``: the mixin's forward over the original class (cached)."""
+    """``Linear<Base>``: the mixin's forward over the original class (cached).
+
+    The class is made at run time, so pickle cannot find it by name: an instance pickles as
+    ``rebuild_linearized(base, mixin)`` (two classes pickle finds) plus its state (``__reduce_ex__``)."""
     key = (base, mixin)
     if key not in _LINEAR_CLASSES:
         _LINEAR_CLASSES[key] = type(f"Linear{base.__name__}", (mixin, base),
-                                    {"__module__": __package__, "_original_class": base,
-                                     "_original_forward_params": forward_params(base)})
+                                    {"__module__": __package__, "_original_class": base, "_mixin": mixin,
+                                     "_original_forward_params": forward_params(base),
+                                     "__reduce_ex__": _reduce_linearized})
     return _LINEAR_CLASSES[key]
+
+
+def rebuild_linearized(base: type, mixin: type) -> nn.Module:
+    """An empty ``Linear<Base>`` instance, which unpickling then fills with the saved state."""
+    cls = linearized_class(base, mixin)
+    return cls.__new__(cls)
+
+
+def _reduce_linearized(self, protocol: int):
+    return rebuild_linearized, (self._original_class, self._mixin), self.__getstate__()
 
 
 def linearize(module: nn.Module, adapter: Adapter, linear_attn: LinearAttention,
