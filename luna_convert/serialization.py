@@ -9,8 +9,10 @@ Folder layout::
     tokenizer / image-processor files, when given
     modules.json, 1_Pooling/, ...   a sentence embedding model's sentence-transformers layout
 
-``load`` also reads what transformers' ``save_pretrained`` (or ``push_to_hub``) writes for a converted model:
-config.json and model.safetensors (or its shards), the record read from config.json.
+``load`` also reads what transformers' ``save_pretrained`` (or ``push_to_hub``) writes for a converted model
+(config.json with the record, and the weights as transformers names and shards them) through transformers' own
+loader, with a model class that converts itself on construction (``converting_model_class``; the Auto classes
+use it too, see integrations/transformers_auto.py).
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import torch
 from torch import nn
 
 from .adapters import MODEL_TYPE, RECORD_KEY
-from .conversion import CONFIG_ATTR, convert_as_recorded
+from .conversion import CONFIG_ATTR, convert_as_recorded, linear_attention_modules
 from .errors import LunaConvertError
 from .fileio import atomic_directory, atomic_write_json
 from .folder_layout import CONVERSION_FILE, HF_CONFIG_FILE, MODEL_DIR, WEIGHTS_FILE
+from .layers.attention import LinearAttention
 from .model_building import TIMM_ARGS_ATTR, create_timm_model, timm_create_args
 from .sentence_embedding import SentenceEmbedder, write_layout
 
@@ -234,59 +237,28 @@ def build_model(spec: dict, directory: Path) -> nn.Module:
 
 def load(directory: str | Path) -> nn.Module:
     """Rebuild a model written by :func:`save` (or a run folder's model): architecture, conversion,
-    then weights (strict)."""
+    then weights (strict). A converted model's ``save_pretrained`` folder is read by transformers' loader
+    (which knows its weight names and shards), built converted."""
     directory = Path(directory)
     if not (directory / CONVERSION_FILE).is_file() and (directory / MODEL_DIR / CONVERSION_FILE).is_file():
         directory = directory / MODEL_DIR  # a run folder: its converted model
     meta = read_metadata(directory)
-    model = build_model(meta["model"], directory)
     dtype = getattr(torch, meta.get("dtype") or "", None)
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+    dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+    if meta.get("saved_with") == SAVE_PRETRAINED:
+        return _load_save_pretrained(meta["model"]["class"], directory, dtype)
+    model = build_model(meta["model"], directory)
+    if dtype is not None:
         # Rebuild in the saved precision: loading bf16 weights into a float32 model would
         # silently give a different (upcast) model than the one saved.
         model = model.to(dtype)
     if meta.get("conversion") is not None:
         convert_as_recorded(model, meta["conversion"])
     weights = directory / WEIGHTS_FILE
-    files = [weights] if weights.is_file() else _shards(directory)
-    if not files:
+    if not weights.is_file():
         raise LunaConvertError(f"{weights} is missing; the folder is incomplete, re-run or restore it")
-    missing, unexpected = None, set()
-    for file in files:
-        left, extra = _load_weights_file(model, file)
-        missing = set(left) if missing is None else missing & set(left)  # a shard holds some of the weights
-        unexpected |= set(extra)
-    if meta.get("saved_with") != SAVE_PRETRAINED:  # save_pretrained records no digest
-        _check_digest(weights, meta.get(DIGEST_KEY))  # after the reader's own checks, which name a truncation
-    if missing or unexpected:
-        raise LunaConvertError(
-            f"{weights} does not match the recorded model (missing {sorted(missing)[:3]}, unexpected "
-            f"{sorted(unexpected)[:3]}); the folder was edited or written by another version"
-        )
-    return model.eval()
-
-
-def _shards(directory: Path) -> list[Path]:
-    """The weight files of a sharded save_pretrained folder (model.safetensors.index.json), or []."""
-    index = directory / f"{WEIGHTS_FILE}.index.json"
-    if not index.is_file():
-        return []
     try:
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        raise LunaConvertError(f"{index} is corrupt ({type(e).__name__}); restore it or save the model again") from None
-    files = [directory / name for name in names]
-    absent = [file.name for file in files if not file.is_file()]
-    if absent:
-        raise LunaConvertError(f"{directory} misses the weight files {absent[:3]} its {index.name} names; the folder is "
-                               "incomplete, restore it")
-    return files
-
-
-def _load_weights_file(model: nn.Module, weights: Path) -> tuple[list[str], list[str]]:
-    """Load one safetensors file into ``model`` (not strict): (missing, unexpected) names; a bad file is one error."""
-    try:
-        return load_model(model, str(weights), strict=False)
+        missing, unexpected = load_model(model, str(weights), strict=False)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         mismatch = next((line for line in lines if "size mismatch" in line), None)
@@ -298,6 +270,102 @@ def _load_weights_file(model: nn.Module, weights: Path) -> tuple[list[str], list
         raise LunaConvertError(
             f"{weights} is truncated or corrupt ({lines[0][:300]}); re-run the conversion or restore the file"
         ) from None
+    _check_digest(weights, meta.get(DIGEST_KEY))  # after the reader's own checks, which name a truncation
+    if missing or unexpected:
+        raise LunaConvertError(
+            f"{weights} does not match the recorded model (missing {sorted(missing)[:3]}, unexpected "
+            f"{sorted(unexpected)[:3]}); the folder was edited or written by another version"
+        )
+    return model.eval()
+
+
+# ------------------------------------------------------------------ transformers' loader, building converted
+class ConvertingModel:
+    """Mixin over a transformers model class: built from the config of a converted model (``Linear<Config>``),
+    the model converts itself as the config's record says, so that transformers' ``from_pretrained`` loads the
+    linear-attention weights into their modules. What it returns is re-classed to the original class (a
+    ``BertForSequenceClassification``, as :func:`~luna_convert.conversion.convert` leaves it)."""
+
+    _original_class: type
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        # from_pretrained builds the model on the meta device; the methods' own set-up computes real values,
+        # so the new modules are built on the CPU first (then placed beside the model's weights)
+        with torch.device("cpu"):
+            convert_as_recorded(self, getattr(config, RECORD_KEY))
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        return _as_original(cls, super().from_pretrained(*args, **kwargs))
+
+    @classmethod
+    def _from_config(cls, config, **kwargs):
+        return _as_original(cls, super()._from_config(config, **kwargs))
+
+
+def _as_original(cls: type, loaded):
+    """The loaded model re-classed to the original class (``from_pretrained`` may return it with loading info),
+    with the buffers no file holds made again."""
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    model.__class__ = cls._original_class
+    restore_unsaved_buffers(model)
+    return loaded
+
+
+_CONVERTING_CLASSES: dict[type, type] = {}
+
+
+def converting_model_class(base: type) -> type:
+    """``base`` converting itself on construction (cached); named as ``base``, which transformers' Auto classes
+    match against ``config.architectures``."""
+    if base not in _CONVERTING_CLASSES:
+        _CONVERTING_CLASSES[base] = type(base.__name__, (ConvertingModel, base),
+                                         {"__module__": __name__, "__qualname__": base.__name__,
+                                          "_original_class": base})
+    return _CONVERTING_CLASSES[base]
+
+
+def restore_unsaved_buffers(model: nn.Module) -> None:
+    """Set every linear-attention buffer that is not saved (index tables and the like, fixed by the options) to the
+    value a new layer computes: transformers' loader leaves such buffers of a model built on the meta device
+    empty (it makes again only those of its own modules)."""
+    for layer in linear_attention_modules(model):
+        saved = set(layer.state_dict())
+        unsaved = [name for name, _ in layer.named_buffers() if name not in saved]
+        if not unsaved:
+            continue
+        with torch.device("cpu"):
+            fresh = LinearAttention(layer.method, layer.head_dim, layer.num_heads, layer.softmax_scale,
+                                    spatial=layer.spatial, options=layer.options)
+        for name in unsaved:
+            owner_name, _, buffer_name = name.rpartition(".")
+            owner = layer.get_submodule(owner_name)
+            current = owner.get_buffer(buffer_name)
+            owner.register_buffer(buffer_name, fresh.get_buffer(name).to(device=current.device, dtype=current.dtype),
+                                  persistent=False)
+
+
+def _load_save_pretrained(class_name: str, directory: Path, dtype: torch.dtype | None) -> nn.Module:
+    """A converted model's save_pretrained folder through transformers' loader; anything not matched is an error."""
+    import transformers
+
+    cls = getattr(transformers, class_name, None)
+    if cls is None:
+        raise LunaConvertError(f"transformers {transformers.__version__} has no class {class_name}; install the "
+                               "transformers version that wrote this folder")
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory)  # Linear<Config> (integrations/transformers_auto)
+        model, info = converting_model_class(cls).from_pretrained(
+            directory, config=config, output_loading_info=True, **({} if dtype is None else {"dtype": dtype}))
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
+        raise LunaConvertError(f"{directory} cannot be loaded ({type(e).__name__}: "
+                               f"{(str(e).splitlines() or [''])[0][:300]}); restore it or save the model again") from None
+    problems = {kind: sorted(names)[:3] for kind, names in info.items() if names}
+    if problems:
+        raise LunaConvertError(f"the weights in {directory} do not match the recorded model ({problems}); the folder "
+                               "was edited or written by another version")
+    return model.eval()
 
 
 def _check_digest(weights: Path, recorded: str | None) -> None:
