@@ -30,6 +30,7 @@ from torch import nn
 from .conversion import linear_attention_modules
 from .errors import LunaConvertError
 from .adapters.padding_masks import padding_masks_only
+from .linear_methods.base import MethodCore
 from .ops.native import reference_kernels
 
 FORMATS = ("onnx", "pt2")
@@ -145,6 +146,16 @@ def _float32_copy(model: nn.Module) -> nn.Module:
     return model.eval()
 
 
+@contextlib.contextmanager
+def frozen_for_export(model: nn.Module):
+    """Every method core of ``model`` frozen for the export (``MethodCore.frozen_for_export``)."""
+    with contextlib.ExitStack() as stack:
+        for core in model.modules():
+            if isinstance(core, MethodCore):
+                stack.enter_context(core.frozen_for_export())
+        yield
+
+
 def export_model(model: nn.Module, output: str | Path, fmt: str = "onnx", length: int = 16,
                  overwrite: bool = False) -> ExportResult:
     """Write ``model`` (converted or not) to ``output`` as ONNX or a torch.export program, float32, and check
@@ -170,7 +181,7 @@ def export_model(model: nn.Module, output: str | Path, fmt: str = "onnx", length
     try:
         with torch.no_grad():
             expected = [wrapper(*b) for b in batches]  # as the model runs in PyTorch: native kernels where they apply
-            with reference_kernels(), padding_masks_only(model):
+            with reference_kernels(), padding_masks_only(model), frozen_for_export(model):
                 run = (_write_onnx if fmt == "onnx" else _write_pt2)(wrapper, batches[0], signature, Path(partial))
             got = [run(b) for b in batches]
         error = max(float((g - e).abs().max()) for g, e in zip(got, expected))

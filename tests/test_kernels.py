@@ -11,7 +11,7 @@ import torch
 from luna_convert.layers.attention import LinearAttention
 from luna_convert.linear_methods.luna import PAPER_OPTIONS, LunaFeatureMap, ScalarChannels
 from luna_convert.ops.normalize import sum_normalize
-from luna_convert.linear_methods.luna_kernel import KnotLocator, channel_tables, gather_rows, row_source, scalar_channels
+from luna_convert.linear_methods.luna_kernel import KnotLocator, channel_tables, scalar_channels
 from luna_convert.ops import dwc, native, streamed
 from luna_convert.ops.context import AttentionContext
 from luna_convert.ops.linear import linear_attention, linear_attention_core
@@ -79,21 +79,6 @@ def test_inputs_outside_and_on_the_knots():
     u = torch.cat([finite, finite + 1e-3, finite - 1e-3, torch.tensor([-1e6, 1e6, 0.0])]).view(-1, 1)
     # measured: 9.5e-7 absolute on values < 1, 1.4e-6 relative on larger ones (up to 6.7e5 at u = 1e6)
     torch.testing.assert_close(scalar_channels(u, psi), psi(u), rtol=5e-6, atol=5e-6)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("channels", [1, 2, 3])
-def test_gather_rows_is_index_select(channels, dtype):
-    """Rows of 4 or 8 bytes are gathered as one integer each: the same bits, NaN and -0.0 included."""
-    table = torch.randn(17, channels, dtype=dtype)
-    table[3, 0], table[5, -1] = float("nan"), -0.0
-    for index in (torch.randint(0, 17, (500,)), torch.randint(0, 17, (500,), dtype=torch.int32)):
-        got, want = gather_rows(row_source(table), index, dtype).view(-1, channels), table.index_select(0, index)
-        assert got.dtype == dtype and got.shape == want.shape
-        assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
-    strided = torch.randn(17, 2 * channels, dtype=dtype)[:, ::2]  # not contiguous: plain index_select
-    assert row_source(strided).shape == strided.shape
-    assert torch.equal(gather_rows(strided, index, dtype), strided.index_select(0, index))
 
 
 def test_locator_matches_searchsorted():

@@ -19,6 +19,7 @@ real tokens, prefix tokens); token-wise maps ignore it.
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import replace
 
 import torch
@@ -53,6 +54,11 @@ class MethodCore(nn.Module):
         """id(parameter) -> factor on the learning rate it trains at (distillation and the added-module
         group of finetuning); parameters not listed train at the plain rate."""
         return {}
+
+    def frozen_for_export(self) -> contextlib.AbstractContextManager:
+        """A block inside which an exported graph may hold constants computed from the core's current
+        parameter values (they do not change while a graph is exported); none unless the core says so."""
+        return contextlib.nullcontext()
 
 
 class FeatureMap(MethodCore, abc.ABC):

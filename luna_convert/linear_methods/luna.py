@@ -7,6 +7,7 @@ depthwise-convolution branch on V. Not "Luna: Linear Unified Nested Attention" (
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import MappingProxyType
 
@@ -18,8 +19,8 @@ from ..ops.context import AttentionContext
 from ..ops.normalize import sum_normalize
 from .base import FeatureMap, Method
 from ..ops.products import ProducedRows
-from .luna_kernel import (channel_feature_rows, channel_features_of, feature_rows_apply, projected_channel_features_of,
-                          scalar_channels_of)
+from .luna_kernel import (channel_feature_rows, channel_features_of, feature_rows_apply, frozen_for_export,
+                          projected_channel_features_of, scalar_channels_of)
 from .luna_options import (CHANNEL_BANK_NAMES, EXP_INIT_SPAN, LunaOptions, check_channel_init,
                            check_fourier_channels)
 from .registry import register
@@ -202,6 +203,12 @@ class LunaFeatureMap(FeatureMap):
         # recomputing it chunk by chunk cost more than it saved (16k tokens, forward +
         # backward: 730 vs 630 ms, measured with the kernel's former chunked evaluation).
         return not self.uses_kernel
+
+    def frozen_for_export(self) -> contextlib.AbstractContextManager:
+        """The channel bank's knot grid as constants of the exported graph (``luna_kernel.frozen_for_export``)."""
+        if not (self.uses_kernel and isinstance(self.psi, ScalarChannels)):
+            return contextlib.nullcontext()
+        return frozen_for_export(self.psi, 1.0 / math.sqrt(self.projections))
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """u = W x + b: [B, H, N, d] -> [B, H, N, M]."""

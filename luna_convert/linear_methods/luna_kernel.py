@@ -58,6 +58,7 @@ as inactive.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import weakref
@@ -68,6 +69,7 @@ import torch
 from ..ops import products
 from ..ops.dtypes import accumulation_dtype
 from ..ops.normalize import sum_normalize
+from ..ops.piecewise import KnotGrid, binary_search, knot_intervals, piecewise_relu
 from ..ops.streamed import current_recompute_scope
 from . import luna_native
 from .luna_native import native_projected_channel_features, native_cells, native_channel_features, native_feature_rows
@@ -225,69 +227,6 @@ class KnotLocator:
         return index
 
 
-# Integer dtypes of 4 and 8 bytes: a table row of that size is gathered as one element of it.
-_ROW_AS_ONE = {4: torch.int32, 8: torch.int64}
-
-
-def row_source(table: torch.Tensor) -> torch.Tensor:
-    """What :func:`gather_rows` reads for a [K, L] table: a contiguous row of 4 or 8 bytes (L = 1 or 2 in
-    float32, the default L = 2) as one integer element of a 1-D view, else the table itself.
-
-    index_select of 8-byte rows runs ~3x slower than of 8-byte scalars (CPU, one thread, 3.1M indices,
-    fastest of 15: 11.2 vs 3.5 ms); the bits are only moved.
-    """
-    # Graphs (torch.compile, torch.export, ONNX) gather the float rows: ONNX has no bit view of a tensor.
-    wide = None if torch.compiler.is_compiling() else _ROW_AS_ONE.get(table.shape[1] * table.element_size())
-    table = table.detach()  # read, never differentiated: the gradient goes to the table itself
-    return table if wide is None or not table.is_contiguous() else table.view(wide).view(-1)
-
-
-def gather_rows(source: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``index`` (1-D) of the ``dtype`` table whose :func:`row_source` is ``source``: [len(index), L],
-    or the same values flat; view them to the shape wanted."""
-    rows = source.index_select(0, index)
-    return rows if rows.dtype == dtype else rows.view(dtype)
-
-
-class _PiecewiseLinearReLU(torch.autograd.Function):
-    """out[..., l] = relu(slope[i, l] * u + intercept[i, l]) per element of u, i its interval ``index``.
-
-    Saves u, the interval index (int16 where the tables are short enough) and
-    the output; the backward turns the output gradient into per-interval sums
-    of g * u and g (``index_add_``), which autograd then carries back to the
-    parameters through the table construction.
-    """
-
-    @staticmethod
-    def forward(ctx, u, index, slope, intercept, slope_rows, intercept_rows, out_dtype, track):
-        shape, flat = (*u.shape, slope.shape[1]), index.reshape(-1)
-        # Two [.., L] gathers rather than one [.., 2L] of [slope | intercept]: each half the size, under
-        # the 32 MiB above which glibc maps fresh pages for every buffer (4096 tokens x 12 heads x 64).
-        out = gather_rows(intercept_rows, flat, slope.dtype).view(shape)
-        out = out.addcmul_(gather_rows(slope_rows, flat, slope.dtype).view(shape), u[..., None]).relu_().to(out_dtype)
-        if track:
-            short = slope.shape[0] <= torch.iinfo(torch.int16).max
-            ctx.save_for_backward(u, index.to(torch.int16) if short else index, slope, slope_rows, out)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        u, index, slope, slope_rows, out = ctx.saved_tensors
-        need_u, need_slope, need_intercept = ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4]
-        channels = slope.shape[1]
-        flat = index.reshape(-1).long()  # index_add_ is ~8x slower with an int32 index (CPU, measured)
-        g = torch.ops.aten.threshold_backward(grad_out.to(u.dtype), out.to(u.dtype), 0)  # [..., L]
-        grad_u = grad_slope = grad_intercept = None
-        if need_u:
-            grad_u = torch.linalg.vecdot(g, gather_rows(slope_rows, flat, slope.dtype).view_as(g))
-        if need_slope:
-            grad_slope = torch.zeros_like(slope).index_add_(0, flat, (g * u[..., None]).reshape(-1, channels))
-        if need_intercept:
-            grad_intercept = torch.zeros_like(slope).index_add_(0, flat, g.reshape(-1, channels))
-        return grad_u, None, grad_slope, grad_intercept, None, None, None, None
-
-
 class _CachedTables:
     """The last tables built for one channel bank outside a gradient recording, with what they were built from."""
 
@@ -321,26 +260,25 @@ _TABLE_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _build_prepared(psi, compute: torch.dtype, scale: float, device: torch.device, native: bool = False):
-    """((slope, intercept), (their row sources, locator)) in ``compute`` dtype, built now (the tables
-    differentiable when recording; the row sources are detached views of them). ``native``: the locator's
-    grid is built with the native kernel's cell arithmetic (``luna_native.native_cells``)."""
-    table_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-    knots, table = piecewise_table(psi, table_dtype, scale)
-    knots, table = knots.to(compute), table.to(compute)
-    # The grid's cell count depends on the knots' values: compiled code takes searchsorted instead.
-    use_grid = device.type == "cpu" and not torch.compiler.is_compiling()
-    if use_grid:
-        knots, table = _distinct_knots(knots, table)
+    """The native kernel's ((slope, intercept), (None, locator)) in ``compute`` dtype, its grid built with the
+    native cell arithmetic (``luna_native.native_cells``)."""
+    knots, table = _distinct_knots(*channel_table(psi, compute, scale, device))
     channels = table.shape[1] // 2
     tables = table[:, :channels].contiguous(), table[:, channels:].contiguous()
-    locator = KnotLocator(knots, use_grid, native_cells if native else torch_cells)
-    return tables, (tuple(row_source(t) for t in tables), locator)
+    return tables, (None, KnotLocator(knots, True, native_cells))
+
+
+def channel_table(psi, compute: torch.dtype, scale: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``piecewise_table`` of ``psi`` (times ``scale``) in ``compute`` dtype: knots [K] (detached) and table
+    [K + 1, 2L] (differentiable), built in float64 where the device has it."""
+    knots, table = piecewise_table(psi, torch.float32 if device.type == "mps" else torch.float64, scale)
+    return knots.detach().to(compute), table.to(compute)
 
 
 def knot_locator(psi, native: bool = False) -> KnotLocator:
     """The float32 CPU locator of the bank ``psi``'s knots (its grid built with the native cell arithmetic
     when ``native``), as the fast paths build it."""
-    return _build_prepared(psi, torch.float32, 1.0, torch.device("cpu"), native)[1][1]
+    return _build_prepared(psi, torch.float32, 1.0, torch.device("cpu"), True)[1][1]
 
 
 def _distinct_knots(knots: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -530,25 +468,54 @@ def scalar_channels(u: torch.Tensor, psi, scale: float = 1.0) -> torch.Tensor:
     return scalar_channels_of(psi, u, scale=scale)[0]
 
 
-def scalar_channels_of(psi, *us: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
-    """``scalar_channels`` of each of ``us`` (one device), with one set of tables for all: when a
-    gradient is recorded the tables are built in every call (LUNA's queries and keys share one)."""
+def scalar_channels_of(psi, *us: torch.Tensor, scale: float = 1.0,
+                       norm_eps: float | None = None) -> tuple[torch.Tensor, ...]:
+    """``scalar_channels`` of each of ``us`` (one device) in standard operators (``ops.piecewise``), one table
+    for all: the interval of each element from ``knot_intervals`` (a grid of the knots), in exported graphs
+    from the grid frozen before the export (``frozen_for_export``), else by the binary search. With
+    ``norm_eps``, each channel divided by its sum over the M projections + norm_eps (``sum_normalize``)."""
     compute = accumulation_dtype(*us)
     device = us[0].device
-    if torch.compiler.is_exporting():
-        # The tables' interval search (searchsorted) has no ONNX operator: an exported graph evaluates the
-        # channel MLPs themselves (``ScalarChannels.forward``, the reference), also linear in N.
-        with torch.autocast(device_type=device.type, enabled=False):
-            return tuple((psi(u.to(compute)) * scale).to(u.dtype) for u in us)
     with torch.autocast(device_type=device.type, enabled=False):
-        (slope, intercept), (rows, locate) = _prepared(psi, compute, float(scale), device)
+        frozen = _FROZEN.get(psi) if torch.compiler.is_exporting() else None
+        if frozen is not None and frozen[0] == (compute, float(scale)):
+            table, locate = frozen[1]
+        else:
+            knots, table = channel_table(psi, compute, float(scale), device)
+            if torch.compiler.is_exporting():
+                locate = lambda x: binary_search(x.reshape(-1), knots)  # noqa: E731 - standard operators only
+            else:
+                locate = lambda x: knot_intervals(x, knots)  # noqa: E731
         out = []
         for u in us:
-            x = u.to(compute).contiguous()
-            index = locate(x.detach().reshape(-1)).view(x.shape)  # the interval of every scalar
-            track = torch.is_grad_enabled() and (u.requires_grad or slope.requires_grad or intercept.requires_grad)
-            out.append(_PiecewiseLinearReLU.apply(x, index, slope, intercept, *rows, u.dtype, track))
+            x = u.to(compute)
+            feats = piecewise_relu(x, table, locate(x.detach()))
+            if norm_eps is not None:  # from the float32 values: in half precision a sum can overflow
+                feats = sum_normalize(feats, -2, norm_eps)
+            out.append(feats.to(u.dtype))
         return tuple(out)
+
+
+# psi -> its prepared lookup, frozen for an export (``frozen_for_export``): the grid's size depends on the
+# knots' values, which a traced graph does not have.
+_FROZEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def frozen_for_export(psi, scale: float, compute: torch.dtype = torch.float32):
+    """Inside it, an exported graph evaluates ``psi`` (times ``scale``) with the grid of its current knots as
+    constants: an export holds the parameters fixed, and a grid costs 1 + depth gathers per element where
+    the binary search costs log2(K + 1) (gathers are ONNX Runtime's slowest step here)."""
+    with torch.no_grad():
+        knots, table = channel_table(psi, compute, float(scale), psi.w1.device)
+    grid = KnotGrid.build(knots)
+    lookup = (table, lambda x: binary_search(x.reshape(-1), knots)) if grid is None else \
+        (grid.rows_of(table), lambda x: grid.index(x.reshape(-1)))
+    _FROZEN[psi] = ((compute, float(scale)), lookup)
+    try:
+        yield
+    finally:
+        _FROZEN.pop(psi, None)
 
 
 def native_kernel_applies(projections: int, channels: int, compute: torch.dtype, device: torch.device) -> bool:
@@ -573,11 +540,7 @@ def channel_features_of(psi, *us: torch.Tensor, scale: float = 1.0,
             if locate.grid is not None:  # else crowded knots: searchsorted, on the PyTorch path
                 return tuple(native_channel_features(u, slope, intercept, locate.grid, norm_eps).to(u.dtype)
                              for u in us)
-    if norm_eps is None:
-        return scalar_channels_of(psi, *us, scale=scale)
-    # normalised from the float32 values: in half precision a channel value or its sum can overflow
-    feats = scalar_channels_of(psi, *(u.to(compute) for u in us), scale=scale)
-    return tuple(sum_normalize(f, -2, norm_eps).to(u.dtype) for f, u in zip(feats, us))
+    return scalar_channels_of(psi, *us, scale=scale, norm_eps=norm_eps)
 
 
 def feature_rows_apply(psi, projections: int, *tensors: torch.Tensor) -> bool:

@@ -1,0 +1,214 @@
+"""Piecewise-linear functions of a scalar in standard operators: relu(slope[i] u + intercept[i]), i the number
+of sorted knots below u, for every element u of a tensor and L functions at once.
+
+Every step is an operator that eager PyTorch, Inductor (CPU and CUDA), torch.export and ONNX Runtime all have
+(arithmetic, comparisons, ``index_select``), so one form runs wherever a model runs. Two ways find i, both
+exact for the same knots (the reference, :func:`piecewise_relu_reference`, takes ``torch.searchsorted``):
+
+- :class:`KnotGrid`, built from the knots' values (eager code, or before an export, where the grid becomes
+  constants of the graph): the cell of u in a grid of equal cells (arithmetic), then one comparison with each
+  of the at most ``depth`` distinct knots that cell holds (usually one): 1 + depth gathers per element.
+- :func:`binary_search`, for graphs whose knots are tensors of the graph (compiled training and inference):
+  a branchless search, ceil(log2(K + 1)) gathers and comparisons per element, fused by Inductor.
+
+The table is ``[R, 2L]``, row r = [slope | intercept] of the L functions on interval r (interval r holds the u
+with knots[r - 1] < u <= knots[r]); gradients reach it through ``index_select``, and u's gradient is the slope.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# A grid gives up (the binary search serves instead) where some cell would hold more distinct knots than this
+# even at the largest grid: each one more is a gather and a comparison for every element.
+MAX_DEPTH = 4
+MAX_CELLS = 1 << 14
+
+
+def piecewise_relu(u: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """relu(slope[index] * u + intercept[index]): u [...], ``index`` the table row of every element (u's shape,
+    int32 or int64), table [R, 2L] -> [..., L]. Differentiable in u and the table; saves u, the index and the
+    output for backward (plain autograd would keep every gathered slope and intercept too)."""
+    return _PiecewiseReLU.apply(u, table, index)
+
+
+def _channel_values(u: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    flat, channels = index.reshape(-1), table.shape[1] // 2
+    # channel by channel: gathers of single values, which Inductor and ONNX Runtime take faster than rows
+    return torch.stack([torch.relu(torch.addcmul(table[:, channels + l].index_select(0, flat).view(u.shape),
+                                                 table[:, l].index_select(0, flat).view(u.shape), u))
+                        for l in range(channels)], -1)
+
+
+class _PiecewiseReLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u, table, index):
+        out = _channel_values(u, table, index)
+        ctx.save_for_backward(u, table, index, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        u, table, index, out = ctx.saved_tensors
+        channels = table.shape[1] // 2
+        g = grad * (out > 0)  # relu's gradient (0 where the output is 0)
+        flat = index.reshape(-1)
+        grad_u = grad_table = None
+        if ctx.needs_input_grad[0]:
+            grad_u = (g * table[:, :channels].index_select(0, flat).view(g.shape)).sum(-1)
+        if ctx.needs_input_grad[1]:
+            per_element = torch.cat([g * u[..., None], g], -1).reshape(-1, 2 * channels)
+            # an int64 index: CPU index_add_ runs ~8x slower with int32
+            grad_table = torch.zeros_like(table).index_add_(0, flat.long(), per_element)
+        return grad_u, grad_table, None
+
+
+def piecewise_relu_reference(u: torch.Tensor, knots: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """:func:`piecewise_relu` with i = ``torch.searchsorted(knots, u)``: the plain form the fast ones must equal."""
+    index = torch.searchsorted(knots.to(u.dtype), u.detach().contiguous())
+    channels = table.shape[1] // 2
+    return torch.relu(table[index, :channels] * u[..., None] + table[index, channels:])
+
+
+def binary_search(u: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
+    """The number of ``knots`` (sorted, [K]) below each element of the 1-D u (int32; NaN -> 0).
+
+    The knots are padded with +inf to 2^s - 1; at step s the search compares u with the knot that halves what
+    is left, a gather and a comparison, with no branch and no data-dependent shape.
+    """
+    steps = knots.numel().bit_length()
+    padded = torch.cat([knots, knots.new_full(((1 << steps) - 1 - knots.numel(),), math.inf)])
+    index = torch.zeros(u.shape, dtype=torch.int32, device=u.device)
+    for step in reversed(range(steps)):
+        half = 1 << step
+        index = index + (u > padded.index_select(0, index + (half - 1))).to(torch.int32) * half
+    return index
+
+
+def _cells(x: torch.Tensor, squashed: bool, low: float, scale: float, cells: int) -> torch.Tensor:
+    """The grid cell (int32) of every element of x: a monotone map, so a knot in a lower cell than u is below
+    u. "Squashed" grids take x / (1 + |x|) first (knots spread over many magnitudes: a random init's -b1/w1).
+    Knots and inputs take the very same float operations. NaN lands in cell 0 (its features stay NaN)."""
+    if squashed:
+        x = x / (x.abs().clamp(max=1e30) + 1)  # +-inf -> +-inf, not NaN
+    cell = (x - low).mul_(scale).clamp_(0, cells - 1).to(torch.int32)
+    return cell.clamp_(0, cells - 1)  # NaN casts to an arbitrary integer
+
+
+@dataclass(frozen=True)
+class KnotGrid:
+    """Where each element falls among sorted knots, from a grid of equal cells built from the knots' values.
+
+    ``cell_knots`` [depth, cells]: the distinct knots of each cell, ascending, padded with +inf; ``rows``
+    [cells * (depth + 1)]: for cell c and j knots of it below u, the table row ``rows[c * (depth + 1) + j]``.
+    """
+
+    squashed: bool
+    low: float
+    scale: float
+    cells: int
+    cell_knots: torch.Tensor
+    rows: torch.Tensor
+
+    @property
+    def depth(self) -> int:
+        return self.cell_knots.shape[0]
+
+    @staticmethod
+    def build(knots: torch.Tensor) -> "KnotGrid | None":
+        """The grid of the sorted knots [K] (table rows 0..K), in their dtype; None where every grid crowds."""
+        finite = knots[torch.isfinite(knots)]
+        distinct, counts = torch.unique_consecutive(finite, return_counts=True)
+        # the table row of u just above each distinct knot: the knots at or below it (-inf ones always are,
+        # +inf ones never)
+        below = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]) + int((knots == -math.inf).sum())
+        if distinct.numel() == 0:
+            return KnotGrid(False, 0.0, 0.0, 1, knots.new_empty(0, 1), below.to(torch.int32))
+        low, high = float(distinct[0]), float(distinct[-1])
+        plain_ok = math.isfinite(high - low) and high > low
+        best = None  # (depth, cells, squashed, low, scale, cell): the fewest comparisons, then the fewest cells
+        for squashed in ((False, True) if plain_ok else (True,)):
+            lo, span = (-1.0, 2.0) if squashed else (low, high - low)
+            cells = max(64, 1 << math.ceil(math.log2(4 * distinct.numel())))
+            while True:
+                scale = cells / span
+                cell = _cells(distinct, squashed, lo, scale, cells)
+                depth = int(torch.bincount(cell, minlength=cells).max())
+                if depth <= 1 or cells >= MAX_CELLS:
+                    break
+                cells = min(4 * cells, MAX_CELLS)
+            if best is None or depth < best[0]:
+                best = depth, cells, squashed, lo, scale, cell
+        depth, cells, squashed, lo, scale, cell = best
+        if depth <= MAX_DEPTH:
+            return KnotGrid._from_cells(distinct, below, cell, squashed, lo, scale, cells, depth)
+        return None
+
+    @staticmethod
+    def _from_cells(distinct, below, cell, squashed, low, scale, cells, depth) -> "KnotGrid":
+        per_cell = torch.bincount(cell, minlength=cells)
+        first = torch.cumsum(per_cell, 0) - per_cell  # index in ``distinct`` of each cell's first knot
+        slot = torch.arange(distinct.numel(), device=cell.device) - first[cell]
+        cell_knots = distinct.new_full((depth, cells), math.inf)
+        cell_knots[slot, cell] = distinct
+        # rows[c, j]: below j of the cell's knots, the table row after the first first[c] + j distinct knots
+        # (``below``); j beyond the cell's count is never reached (u > +inf is false)
+        n = (first[:, None] + torch.arange(depth + 1, device=cell.device)).clamp(max=distinct.numel())
+        return KnotGrid(squashed, low, scale, cells, cell_knots, below[n].reshape(-1).to(torch.int32))
+
+    def index(self, u: torch.Tensor) -> torch.Tensor:
+        """The table row of every element of the 1-D u (int32): the cell's base row, plus the cell's knots below."""
+        cell = _cells(u, self.squashed, self.low, self.scale, self.cells)
+        index = cell * (self.depth + 1) if self.depth else cell
+        for knots in self.cell_knots.unbind(0):
+            index += u > knots.index_select(0, cell)
+        return index
+
+    def rows_of(self, table: torch.Tensor) -> torch.Tensor:
+        """The grid's table, [cells * (depth + 1), 2L]: ``table``'s rows in the grid's order (differentiable)."""
+        return table.index_select(0, self.rows.to(table.device))
+
+    def to(self, device: torch.device) -> "KnotGrid":
+        return KnotGrid(self.squashed, self.low, self.scale, self.cells, self.cell_knots.to(device),
+                        self.rows.to(device))
+
+
+# The grids of recent knot vectors (their bytes -> grid, the latest used last): every layer's bank of a large
+# model, queries and keys, forward and backward, without rebuilding one per call.
+_GRIDS: dict = {}
+_GRIDS_KEPT = 128
+
+
+def _grid_of(knots: torch.Tensor) -> "KnotGrid | None":
+    key = (knots.dtype, knots.device, knots.detach().cpu().numpy().tobytes())
+    if key in _GRIDS:
+        _GRIDS[key] = grid = _GRIDS.pop(key)
+        return grid
+    grid = KnotGrid.build(knots.detach())
+    while len(_GRIDS) >= _GRIDS_KEPT:
+        _GRIDS.pop(next(iter(_GRIDS)))
+    _GRIDS[key] = grid
+    return grid
+
+
+@torch.library.custom_op("luna_convert::knot_intervals", mutates_args=())
+def knot_intervals(u: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
+    """The number of ``knots`` (sorted [K], u's dtype) below each element of u (int32, u's shape; NaN -> 0).
+
+    A registered operator so that compiled graphs call it as eager code does: its grid (``KnotGrid``) depends
+    on the knots' values, which a graph's shapes cannot; it has no gradient (an index). Where the knots crowd
+    every grid, the binary search.
+    """
+    flat = u.detach().reshape(-1)
+    grid = _grid_of(knots)
+    if grid is None:
+        return binary_search(flat, knots.detach()).view(u.shape)
+    return grid.rows.index_select(0, grid.index(flat)).view(u.shape)
+
+
+@knot_intervals.register_fake
+def _knot_intervals_shape(u, knots):
+    return u.new_empty(u.shape, dtype=torch.int32)
