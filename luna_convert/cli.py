@@ -20,9 +20,12 @@ from typer.core import TyperGroup
 # light modules (no torch): imported here; the rest inside each command
 from .errors import LunaConvertError
 from .folder_layout import CURVES_FILE, MODEL_CARD_FILE, MODEL_DIR, RESULTS_FILE, TABLE_FILE
+from .tasks import TASKS
 from .tools.heap import keep_heap
 
 console = Console(stderr=False)
+# every task `run` takes, from the task registry (own-data tasks are inferred when --task is left out)
+TASK_HELP = f"Task: {', '.join(TASKS)} [inferred from the model and data]."
 err_console = Console(stderr=True)
 
 
@@ -120,9 +123,7 @@ def run(
     recipe: Optional[str] = typer.Argument(None, help="Recipe name (see `luna-convert recipes`) or a YAML file."),
     method: Optional[str] = typer.Option(None, "--method", "-m", help="A registered method; `luna-convert methods` lists them."),
     model: Optional[str] = typer.Option(None, "--model", help="Hub id, local folder or timm:<name>."),
-    task: Optional[str] = typer.Option(None, "--task", help="Task name (GLUE task, imagenet, digits, ner, qa, ...); own data: "
-                                       "text-classification, text-pair-classification, text-regression, "
-                                       "image-classification [inferred from the model and data]."),
+    task: Optional[str] = typer.Option(None, "--task", help=TASK_HELP),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local data: GLUE TSVs, csv/tsv/jsonl/parquet, "
                                            "ImageFolder, a save_to_disk folder, or hf:<dataset id>."),
     output_dir: Optional[str] = typer.Option(None, "--output-dir", help="Parent folder for run outputs [outputs]."),

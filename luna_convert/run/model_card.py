@@ -93,11 +93,17 @@ def hub_model_id(model: str) -> str | None:
 
 
 def _dataset(task, config: RunConfig) -> dict:
-    if task.glue_config:
-        return {"name": f"GLUE {task.glue_config.upper()}", "type": "nyu-mll/glue", "config": task.glue_config}
-    data_dir = config.data_dir
-    name = Path(str(data_dir).rstrip("/")).name if data_dir else task.name
-    return {"name": name, "type": name}
+    """The data the run was scored on: the hub's GLUE only where the run read it (no --data-dir), else the
+    hub dataset or the local folder it named, with the split scored."""
+    data_dir = str(config.data_dir or "").rstrip("/")
+    split = config.eval_split or task.eval_split
+    if task.glue_config and not data_dir:
+        return {"name": f"GLUE {task.glue_config.upper()}", "type": "nyu-mll/glue", "config": task.glue_config,
+                "split": split}
+    if data_dir.startswith("hf:"):
+        return {"name": data_dir.removeprefix("hf:"), "type": data_dir.removeprefix("hf:"), "split": split}
+    name = Path(data_dir).name if data_dir else task.name
+    return {"name": f"{name} (local files)" if data_dir else name, "type": name, "split": split}
 
 
 def reproduce_command(config: RunConfig) -> str:
