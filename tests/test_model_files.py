@@ -132,6 +132,26 @@ def test_a_bare_encoder_and_a_sharded_folder_load_converted(tmp_path):
     assert torch.equal(logits(load(tmp_path / "shards"), "hf-bert"), logits(model, "hf-bert"))
 
 
+@pytest.mark.parametrize("method", ["llops", "taylor"])
+def test_buffers_no_file_holds_are_made_again_after_transformers_loads(method):
+    """transformers' loader leaves a meta-built model's unsaved buffers as uninitialised memory (which may happen to
+    hold the right values); ``restore_unsaved_buffers`` sets them as a new layer computes them."""
+    from luna_convert.serialization import restore_unsaved_buffers
+
+    model = converted("hf-bert", method)
+    want = {}
+    for i, layer in enumerate(linear_attention_modules(model)):
+        saved = set(layer.state_dict())
+        for name, buffer in layer.named_buffers():
+            if name not in saved:
+                want[i, name] = buffer.clone()
+                buffer.fill_(-7 if not buffer.is_floating_point() else float("nan"))
+    assert want, f"{method} keeps no unsaved buffer: pick a method that does"
+    restore_unsaved_buffers(model)
+    layers = linear_attention_modules(model)
+    assert all(torch.equal(layers[i].get_buffer(name), value) for (i, name), value in want.items())
+
+
 def test_luna_convert_save_writes_a_folder_the_auto_classes_load_converted(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
