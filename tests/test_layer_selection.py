@@ -238,7 +238,7 @@ def test_restoring_a_layer_to_softmax_is_the_model_converted_with_that_layer_kep
     from conftest import example_inputs, logits_of, make_bert
 
     inputs = example_inputs("hf-bert")
-    monkeypatch.setattr(layer_selection, "score", lambda accelerator, model, loaders, task: (
+    monkeypatch.setattr(layer_selection, "score", lambda accelerator, model, loaders, task, kind: (
         {"accuracy": logits_of(model, inputs).double().sum().item()}, 0))
     model = make_bert()
     convert(model, "elu")  # no parameters: the same weights in every conversion

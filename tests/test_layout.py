@@ -4,6 +4,7 @@ registry and its options, folders saved before the options dataclasses, and the 
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import subprocess
 import sys
@@ -242,9 +243,20 @@ def package_imports(path: Path, node) -> list[str]:
         target = node.module
     else:
         return []
-    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
     names = [f"{target}.{a.name}" for a in node.names]
-    return [n if n in modules else target for n in names]
+    return [n if n in package_modules() else target for n in names]
+
+
+@functools.lru_cache(maxsize=None)
+def package_modules() -> frozenset[str]:
+    """Every module of the package, listed once for all the import statements read."""
+    return frozenset(module_name(p) for p in PACKAGE.rglob("*.py"))
+
+
+@functools.lru_cache(maxsize=None)
+def parsed(path: Path) -> ast.Module:
+    """A package file's syntax tree, parsed once for all the layout checks (they only read it)."""
+    return ast.parse(path.read_text())
 
 
 def import_edges() -> dict[str, set[str]]:
@@ -252,7 +264,7 @@ def import_edges() -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         targets = edges.setdefault(module_name(path), set())
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             targets.update(package_imports(path, node))
     return edges
 
@@ -284,7 +296,7 @@ def test_the_package_has_no_import_cycle_no_private_imports_and_no_hidden_import
     assert {m for m, ts in edges.items() if LAZY_TOP in ts} <= {"luna_convert.__main__"}  # cli imports down only
     for path in PACKAGE.rglob("*.py"):
         name = module_name(path)
-        tree = ast.parse(path.read_text())
+        tree = parsed(path)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and package_imports(path, node):
                 private = [a.name for a in node.names if a.name.startswith("_")]
@@ -349,7 +361,7 @@ def test_no_module_reads_a_private_name_of_a_package_module_it_imports():
     """``from .. import data`` then ``data._cache`` reaches into a private name as surely as importing it."""
     modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
     for path in PACKAGE.rglob("*.py"):
-        tree = ast.parse(path.read_text())
+        tree = parsed(path)
         bound = set()  # local names bound to a luna_convert module
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and package_imports(path, node):
