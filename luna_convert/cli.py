@@ -364,10 +364,6 @@ def methods(
             from .linear_methods.sorting_native import status
 
             console.print(f"  native passes (CPU, float32): {escape(status())}")
-        if name in ("hedgehog", "performer", "flexformer"):
-            from .ops.exp_rows import status
-
-            console.print(f"  native exps of rows (CPU, float32): {escape(status())}")
         console.print(Padding(escape(" ".join(spec.details.split())), (0, 0, 1, 2)))
 
 

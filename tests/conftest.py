@@ -261,15 +261,6 @@ def this_cpu_or_avx2(build: str, monkeypatch, module, loader: str, status, sourc
     return lib
 
 
-@pytest.fixture(params=NATIVE_BUILDS)
-def exp_rows_library(request, monkeypatch):
-    """``ops.exp_rows``' library: the build for this CPU, then the AVX2 build (8 lanes) in its place."""
-    from luna_convert.ops import exp_rows
-
-    return this_cpu_or_avx2(request.param, monkeypatch, exp_rows, "library", exp_rows.status, exp_rows.SOURCE,
-                            "exp_rows_lanes")
-
-
 # ------------------------------------------------------------------ the fast tier
 # ``pytest -m "not slow"``: the tests a developer runs after each change, under 2 minutes on 2 cores. The ``slow``
 # marker comes from the tables below, not from each file. Patterns are fnmatch patterns on node ids

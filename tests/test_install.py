@@ -47,7 +47,6 @@ def test_wheel_contains_every_recipe(wheel):
     assert "luna_convert/linear_methods/luna_channels.c" in names  # LUNA's native kernel, compiled on first use
     assert "luna_convert/linear_methods/sorting_sums.c" in names  # the sorting kernel's native pass
     assert "luna_convert/ops/token_products.c" in names  # the linear-attention core's native products
-    assert "luna_convert/ops/exp_rows.c" in names  # exps of rows: Hedgehog, Performer, Flexformer
 
 
 def test_installed_wheel_finds_recipes_and_teacher_from_another_folder(wheel, tmp_path):

@@ -453,8 +453,6 @@ def test_layer_takes_the_streamed_path_only_where_policy_says(monkeypatch):
     q, k, v = (torch.randn(1, 2, 40, 8, generator=g) for _ in range(3))
     for name in ("luna", "t2r"):
         layer = make_layer(name, 8, 2)
-        # features made inside the native products are never stored, so never streamed (test_produced_rows.py)
-        layer.feature_rows = lambda *args: None
         layer.stream_min_bytes, layer.stream_chunk_bytes = 1000, 1  # above 1000 bytes: chunks of 16 tokens
         with torch.no_grad():
             streamed = layer(q, k, v)

@@ -210,9 +210,9 @@ def test_the_paper_layer_projects_inside_the_pass_at_inference(kernel, monkeypat
     q, k, v = (split_heads(2, 40, 3, 16, seed) for seed in range(3))
     key_mask = torch.ones(2, 40, dtype=torch.bool)
     key_mask[1, -7:] = False
-    # the layer's features are made inside the core's products (tests/test_produced_rows.py), projected there
-    calls, spy = [], luna_kernel.native_feature_rows
-    monkeypatch.setattr(luna_kernel, "native_feature_rows", lambda *a, **kw: calls.append(a[1] is not None) or spy(*a, **kw))
+    calls, spy = [], luna_kernel.native_projected_channel_features
+    monkeypatch.setattr(luna_kernel, "native_projected_channel_features",
+                        lambda *a, **kw: calls.append(True) or spy(*a, **kw))
     outs, counts = [], []
     for setting in ("1", "0"):
         monkeypatch.setenv(native.DISABLE_VARIABLE, setting)
@@ -308,9 +308,9 @@ def test_a_c_type_without_a_ctypes_type_is_named(c_file):
 
 def test_every_shipped_kernel_declares_its_functions():
     sources = sorted(Path(luna_native.__file__).parents[1].rglob("*.c"))
-    assert len(sources) == 6
+    assert len(sources) == 5
     declared = {source.name: native.declared_functions(source) for source in sources}
-    assert declared["token_products.c"]["product"].parameters[:4] == ("x", "w", "bias", "c")
+    assert declared["token_products.c"]["produced_product"].parameters[:4] == ("produce", "state", "w", "c")
     assert all(len(functions) >= 2 for functions in declared.values())
 
 

@@ -14,7 +14,7 @@ import luna_convert
 from conftest import example_inputs, make_bert
 from luna_convert.layers.attention import LinearAttention
 from luna_convert.linear_methods import luna_kernel, luna_native, sorting_native
-from luna_convert.linear_methods.luna import FEATURE_NORM_EPS, PAPER_OPTIONS, LunaFeatureMap, ScalarChannels
+from luna_convert.linear_methods.luna import FEATURE_NORM_EPS, PAPER_OPTIONS, ScalarChannels
 from luna_convert.ops import native
 
 pytestmark = pytest.mark.skipif(luna_native.library() is None or sorting_native.library() is None,
@@ -116,8 +116,7 @@ def test_sorting_operator_registration_values_and_gradients(profile, masked):
         torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-5 * max(1.0, b.abs().max().item()))
 
 
-PASSES = {"luna": (luna_native, ("forward_pass", "backward_pass", "native_projected_channel_features",
-                                  "built_feature_rows")),
+PASSES = {"luna": (luna_native, ("forward_pass", "backward_pass", "native_projected_channel_features")),
           "sorting": (sorting_native, ("_forward", "_backward"))}
 
 
@@ -155,15 +154,16 @@ def test_compiled_layers_call_the_operators_forward_and_backward(method, backend
         expected = layer(q, k, v, mask)
         del calls[:]
         got = compiled(q, k, v, mask)
-    # LUNA's inference: the maker of its features built in the made-rows operators, for queries and keys
-    inference_pass = "_forward" if method == "sorting" else "built_feature_rows"
+    # LUNA's inference: the channel pass for queries and keys (the paper form's with its projection inside)
+    inference_pass = {"sorting": "_forward", "luna": "forward_pass", "luna-paper": "native_projected_channel_features"}[
+        method]
     assert calls == [inference_pass] * (1 if method == "sorting" else 2), "the compiled graph ran no native pass"
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     del calls[:]
     compiled(*leaves, mask).square().sum().backward()
-    if method != "sorting":  # with a gradient recorded the features are stored, by the channel pass
-        assert calls.count("forward_pass") == 2 and "built_feature_rows" not in calls, calls
+    if method != "sorting":  # with a gradient recorded, the channel pass of the projected u
+        assert calls.count("forward_pass") == 2, calls
     backward_pass = "_backward" if method == "sorting" else "backward_pass"
     assert calls.count(backward_pass) == (1 if method == "sorting" else 2), calls
     got_grads = [t.grad for t in leaves] + [p.grad for p in layer.parameters()]
@@ -175,59 +175,16 @@ def test_compiled_layers_call_the_operators_forward_and_backward(method, backend
         torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-4 * max(1.0, b.abs().max().item()))
 
 
-@pytest.mark.parametrize("method", ["luna", "luna-paper"])
-def test_compiled_luna_inference_makes_its_features_in_the_products(method, monkeypatch):
-    """Inductor's graph of LUNA's inference hands the features to the made-rows operators, which build the
-    maker ``luna_rows`` from the run's tensors and the grid from the knots: no channel pass, nothing stored."""
-    if _inductor_missing():
-        pytest.skip("Inductor needs a C++ compiler")
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-    calls, layer, graphs, projected = _counting(method, monkeypatch), _layer(method).eval(), [], []
-    counted = luna_native.built_feature_rows
-    monkeypatch.setattr(luna_native, "built_feature_rows", lambda *a: projected.append(a[1] is not None) or counted(*a))
-    _, q, k, v, mask = sorting_case(7)
-    q, k, v = (torch.cat([t, t], -1) for t in (q, k, v))
-
-    def keep(gm, inputs, **kwargs):
-        return graphs.append(gm) or compile_fx_inner(gm, inputs, **kwargs)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, backend=lambda gm, inputs: compile_fx(gm, inputs, inner_compile=keep),
-                             fullgraph=True)
-    # no cached compilation: the graphs must reach ``keep``
-    with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False), \
-            torch._inductor.config.patch(fx_graph_cache=False):
-        expected = layer(q, k, v, mask)
-        del calls[:], projected[:]
-        got = compiled(q, k, v, mask)
-    operators = [str(node.target).split(".")[1] for gm in graphs for node in gm.graph.nodes
-                 if str(node.target).startswith("luna_convert.")]
-    assert operators.count("produced_product") == 1 and operators.count("produced_transposed_product") == 1, operators
-    assert not {"luna_channel_features", "luna_projected_channel_features", "product", "transposed_product"} \
-        & set(operators), operators
-    assert calls == ["built_feature_rows"] * 2  # queries' and keys' makers, built in the operators
-    assert projected == [method == "luna-paper"] * 2  # the paper form's projection inside the maker
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-
-
 def _operators_in(program) -> set[str]:
     return {str(node.target) for module in program.graph_module.modules() if hasattr(module, "graph")
             for node in module.graph.nodes if str(node.target).startswith("luna_convert.")}
 
 
-MADE = {"produced_product", "produced_transposed_product"}
-
-
-@pytest.mark.parametrize("method, options, made, expected", [
-    ("luna", {}, True, MADE),  # the features made in the products
-    ("luna", dict(PAPER_OPTIONS), True, MADE),
-    ("luna", {}, False, {"luna_channel_features"}),  # stored, by the channel pass
-    ("luna", dict(PAPER_OPTIONS), False, {"luna_projected_channel_features"}),
-    ("sorting", {}, True, {"sorting_attention"})])
-def test_torch_export_shows_the_operators_and_runs(method, options, made, expected, monkeypatch):
-    if not made:
-        monkeypatch.setattr(LunaFeatureMap, "feature_rows", lambda *args, **kwargs: None)
+@pytest.mark.parametrize("method, options, expected", [
+    ("luna", {}, {"luna_channel_features"}),
+    ("luna", dict(PAPER_OPTIONS), {"luna_projected_channel_features"}),
+    ("sorting", {}, {"sorting_attention"})])
+def test_torch_export_shows_the_operators_and_runs(method, options, expected):
     model = make_bert(layers=1)
     luna_convert.convert(model, method=method, **options)
     inputs = example_inputs("hf-bert")

@@ -14,8 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "luna_convert"
 REGISTRATION = re.compile(r'custom_op\("luna_convert::(\w+)"')
 # Operators whose reference is not one function of the same inputs, and where it is.
 REFERENCED_ELSEWHERE = {
-    "produced_product": "product_reference of the map's PyTorch features (its rows are C makers)",
-    "produced_transposed_product": "transposed_product_reference of the map's PyTorch features",
+    "produced_product": "ops.products.product of the map's PyTorch features (its rows are a C maker)",
+    "produced_transposed_product": "ops.products.transposed_product of the map's PyTorch features",
 }
 
 
@@ -30,7 +30,7 @@ def registered_operators() -> dict[str, str]:
 
 def test_every_operator_has_its_reference_beside_it():
     operators = registered_operators()
-    assert len(operators) >= 14, operators  # the scan found the registrations
+    assert len(operators) >= 9, operators  # the scan found the registrations
     missing = []
     for name, module_name in operators.items():
         if name.endswith("_backward") or name in REFERENCED_ELSEWHERE:
@@ -53,6 +53,6 @@ def test_every_maker_in_ops_is_tested_against_its_reference_by_name():
               for node in ast.parse(path.read_text()).body
               if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and node.returns is not None
               and "ProducedRows" in ast.unparse(node.returns)]
-    assert len(makers) >= 7, makers  # the scan found them
+    assert len(makers) >= 1, makers  # the scan found them
     untested = [name for name in makers if not re.search(rf"\b{name.split('.')[1]}\b", tests)]
     assert not untested, f"makers no test in tests/test_produced_rows.py names: {untested}"

@@ -22,9 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..ops import exp_rows
 from ..ops.context import AttentionContext
-from ..ops.products import ProducedRows
 from .base import FeatureMap, Method
 from .cosformer_options import CosformerOptions
 from .registry import register
@@ -78,19 +76,6 @@ class CosformerFeatureMap(FeatureMap):
         lengths = context.lengths
         length = torch.full((1,), context.tokens, device=device) if lengths is None else lengths.to(device)
         return _position_trig(context.positions(device), length, prefix, dtype)
-
-    def feature_rows(self, *xs: torch.Tensor,
-                     context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
-        """The features of each of ``xs`` (all with this ``context``) made inside the core's native products,
-        never stored (``ops.exp_rows.pointwise_feature_rows``, the same values to the bit): at inference,
-        float32 on the CPU, on inputs without position-neutral prefix tokens (those take [f s, f c, f, 0]-form
-        blocks, stored)."""
-        if context is None:
-            context = AttentionContext(None, xs[0].shape[2])
-        if not (exp_rows.rows_apply(*xs) and self.prefix(context) == 0):
-            return None
-        trig = self.position_trig(context, 0, xs[0].device, torch.float32)
-        return tuple(exp_rows.pointwise_feature_rows(x, "cosformer", trig) for x in xs)
 
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
         if context is None:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import exp_rows
 from ..ops.context import AttentionContext
-from ..ops.products import ProducedRows
 from .base import AttentionOptions, FeatureMap, Method
 from .registry import register
 
@@ -32,15 +30,6 @@ class EluFeatureMap(FeatureMap):
         # clamp or where, whose backward runs another slow kernel. exp never sees a positive x, so no inf.
         r = torch.relu(x)
         return torch.exp(x - r) + r
-
-    def feature_rows(self, *xs: torch.Tensor,
-                     context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
-        """elu(x) + 1 of each of ``xs`` made inside the core's native products, never stored
-        (``ops.exp_rows.pointwise_feature_rows``: the same operations, its own exp, so equal to float32
-        rounding): at inference, float32 on the CPU."""
-        if not exp_rows.rows_apply(*xs):
-            return None
-        return tuple(exp_rows.pointwise_feature_rows(x, "elu") for x in xs)
 
 
 ELU = register(Method(

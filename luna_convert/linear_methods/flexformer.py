@@ -32,9 +32,8 @@ from torch import nn
 
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
-from ..ops.products import ProducedRows
 from .base import FeatureMap, Method
-from .performer import orthogonal_random_features, positive_random_feature_rows, positive_random_features
+from .performer import orthogonal_random_features, positive_random_features
 from .flexformer_options import FlexformerOptions
 from .registry import register
 
@@ -71,14 +70,6 @@ class FlexformerFeatureMap(FeatureMap):
     def feature_dim(self) -> int:
         m = self.frequencies.shape[1]
         return m if self.options.variant == "positive" else 2 * m
-
-    def feature_rows(self, *xs: torch.Tensor,
-                     context: AttentionContext | None = None) -> tuple[ProducedRows | torch.Tensor, ...] | None:
-        """The positive variant's features as Performer's (``performer.positive_random_feature_rows``: made inside
-        the core's products, keys from ``MADE_KEYS_MIN_BYTES`` on); the signed variants store theirs."""
-        if self.options.variant != "positive":
-            return None
-        return positive_random_feature_rows(xs, self.frequencies, context)
 
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
         if self.options.variant == "positive":  # Performer's feature and stabilisers, with trainable Omega

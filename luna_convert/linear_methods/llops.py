@@ -21,9 +21,7 @@ from torch import nn
 
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
-from ..ops import pair_rows, products
 from ..ops.layout import tokens_first
-from ..ops.products import ProducedRows
 from .base import FeatureMap, Method
 from .llops_options import LLoPSOptions
 from .registry import register
@@ -87,24 +85,6 @@ class LLoPSFeatureMap(FeatureMap):
         # [H, B n, p/2 r]
         projections = torch.bmm(x_heads, weight) if bias is None else torch.baddbmm(bias, x_heads, weight)
         return (projections.view(h, b, n, -1, r).prod(dim=-2) * r**-0.5).permute(1, 0, 2, 3)
-
-    def feature_rows(self, *xs: torch.Tensor,
-                     context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
-        """The features of each of ``xs`` made inside the core's native products, never stored, nor the sketch:
-        the projections (``ops.products.affine_feature_rows``, one W per head), their factors' product
-        (``ops.pair_rows.factor_product_rows``) and its pairs (``ops.pair_rows.pair_feature_rows``: the
-        diagonal psi_l psi_l, the rest (psi_l sqrt(2)) psi_m), in ``sketch_features``' order; the projections
-        sum in the products' order, not MKL's. At inference, float32 on the CPU, where the library is built."""
-        if not pair_rows.rows_apply(*xs, *self.parameters()):
-            return None
-        weight, bias = self.sketch_operands(torch.float32)  # [H, d, p/2 r], [H, 1, p/2 r] or None
-        # contiguous once for queries and keys
-        weight = weight.contiguous()
-        bias = weight.new_zeros(weight.shape[0], weight.shape[2]) if bias is None else bias[:, 0].contiguous()
-        r = self.sketch.shape[2]
-        return tuple(pair_rows.pair_feature_rows(pair_rows.factor_product_rows(
-            products.affine_feature_rows(self.sketch_input(x), weight, bias, relu=False), self.options.degree // 2,
-            r**-0.5), 1.0, 2**0.5) for x in xs)
 
     def sketch_input(self, x: torch.Tensor) -> torch.Tensor:
         """x as the sketch reads it: with PolySketch's LayerNorm (option qk_norm), else x itself."""

@@ -18,9 +18,7 @@ from torch import nn
 from ..ops.context import AttentionContext
 from ..ops.normalize import sum_normalize
 from .base import FeatureMap, Method
-from ..ops.products import ProducedRows
-from .luna_kernel import (channel_feature_rows, channel_features_of, feature_rows_apply, frozen_for_export,
-                          projected_channel_features_of, scalar_channels_of)
+from .luna_kernel import channel_features_of, frozen_for_export, projected_channel_features_of, scalar_channels_of
 from .luna_options import (CHANNEL_BANK_NAMES, EXP_INIT_SPAN, LunaOptions, check_channel_init,
                            check_fourier_channels)
 from .registry import register
@@ -248,21 +246,6 @@ class LunaFeatureMap(FeatureMap):
         else:
             channels = [self.psi(u) / math.sqrt(self.projections) for u in us]  # [B, H, N, M, L] each
         return tuple(self.finish(feats, x) for feats, x in zip(channels, xs))
-
-    def feature_rows(self, *xs: torch.Tensor,
-                     context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
-        """The features of each of ``xs`` as the native products take them, made block by block and never
-        stored (``luna_kernel.channel_feature_rows``): at inference, where the fused native pass of ``each``
-        applies."""
-        if not (self.uses_kernel and self.envelope is None
-                and feature_rows_apply(self.psi, self.projections, *xs, *self.parameters())):
-            return None
-        norm_eps = FEATURE_NORM_EPS if self.options.feature_norm == "channel" else None
-        scale = 1.0 / math.sqrt(self.projections)
-        if self.proj is not None:
-            return channel_feature_rows(self.psi, *xs, weight=self.proj.weight, bias=self.proj.bias, scale=scale,
-                                        norm_eps=norm_eps)
-        return channel_feature_rows(self.psi, *(self.project(x) for x in xs), scale=scale, norm_eps=norm_eps)
 
     def finish(self, feats: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Envelope and feature norm of the channel values [B, H, N, M, L] of tokens x; -> [B, H, N, D]."""

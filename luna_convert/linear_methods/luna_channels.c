@@ -414,36 +414,3 @@ void luna_channels_backward(const float *x, int64_t r0, int64_t r1, int32_t M, i
     DISPATCH(L, backward_rows(x + r0 * M, r1 - r0, M, LL, &g, slope, intercept, eps,
                               grad_out + r0 * (int64_t)M * L, grad_x + r0 * M, grad_slope, grad_intercept))
 }
-
-/* A map's features made block by block for a product that never holds them all (ops/token_products.c's
-   produced_* functions call luna_rows through a pointer): from x W^T + b as luna_channels_forward_projected
-   computes it (wt set), or from a stored u [B H N, M] (wt NULL, x is u). */
-typedef struct {
-    projection_t p;
-    grid_t g;
-    const float *slope, *intercept;
-    float eps;
-    int32_t M, L;
-} rows_state_t;
-
-int luna_rows_state_size(void) { return (int)sizeof(rows_state_t); }
-
-void luna_rows_state(rows_state_t *s, const float *x, int64_t heads, int64_t tokens, int64_t stride_b, int64_t stride_h,
-                     int64_t stride_n, int32_t d, const float *wt, const float *bias, int32_t M, int32_t L, int mapping,
-                     float low, float scale, int32_t cells, int32_t most, const int32_t *start, const float *kpad,
-                     const float *slope, const float *intercept, float eps) {
-    const rows_state_t state = {{x, heads, tokens, stride_b, stride_h, stride_n, d, wt, bias},
-                                {mapping, low, scale, cells, most, start, kpad}, slope, intercept, eps, M, L};
-    *s = state;
-}
-
-/* The features [tn, M L] of tokens [t0, t0 + tn) of batch entry b (b = batch * heads + head). */
-void luna_rows(const void *state, int64_t b, int64_t t0, int64_t tn, float *out) {
-    const rows_state_t *s = state;
-    const int64_t r0 = b * s->p.tokens + t0;
-    if (s->p.wt) {
-        DISPATCH(s->L, projected_forward_rows(&s->p, r0, tn, s->M, LL, &s->g, s->slope, s->intercept, s->eps, out))
-    } else {
-        DISPATCH(s->L, forward_rows(s->p.x + r0 * s->M, tn, s->M, LL, &s->g, s->slope, s->intercept, s->eps, out))
-    }
-}

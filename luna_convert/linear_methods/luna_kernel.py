@@ -66,13 +66,12 @@ from typing import Callable
 
 import torch
 
-from ..ops import products
 from ..ops.dtypes import accumulation_dtype
 from ..ops.normalize import sum_normalize
 from ..ops.piecewise import KnotGrid, binary_search, knot_intervals, piecewise_relu
 from ..ops.streamed import current_recompute_scope
 from . import luna_native
-from .luna_native import native_projected_channel_features, native_cells, native_channel_features, native_feature_rows
+from .luna_native import native_projected_channel_features, native_cells, native_channel_features
 
 # Grid locator: at most this many knots may share a cell (else a finer grid, then searchsorted).
 MAX_KNOTS_PER_CELL = 4
@@ -541,42 +540,6 @@ def channel_features_of(psi, *us: torch.Tensor, scale: float = 1.0,
                 return tuple(native_channel_features(u, slope, intercept, locate.grid, norm_eps).to(u.dtype)
                              for u in us)
     return scalar_channels_of(psi, *us, scale=scale, norm_eps=norm_eps)
-
-
-def feature_rows_apply(psi, projections: int, *tensors: torch.Tensor) -> bool:
-    """Whether ``channel_feature_rows`` takes these now (x, and the projection's parameters if any):
-    ``products.produced_rows_apply`` for them and ``psi``'s, and the native channel pass for M = ``projections``."""
-    return (native_kernel_applies(projections, psi.channels, torch.float32, tensors[0].device)
-            and products.produced_rows_apply(*tensors, *psi.parameters()))
-
-
-def channel_feature_rows(psi, *xs: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                         scale: float = 1.0, norm_eps: float | None = None) -> tuple[products.ProducedRows, ...] | None:
-    """``channel_features_of(psi, u)`` of each of ``xs``, u = x W^T + b (``weight`` [M, d] and ``bias`` [M] given)
-    or u = x [B, H, N, M], flattened to [B, H, N, M L], as ``ops.products.ProducedRows``: the features made in
-    blocks inside the core's products and never stored; one set of tables for all, with their knots (the maker
-    ``luna_rows`` finds the grid from them). Where ``feature_rows_apply`` holds; in eager code None when the
-    knots are too crowded for the native grid (compiled code takes the operators' one-cell grid)."""
-    if torch.compiler.is_compiling():  # the graph's tables, the grid built in the made-rows operators
-        slope, intercept, knots = graph_tables(psi, float(scale))
-    else:
-        (slope, intercept), (_, locate) = _prepared(psi, torch.float32, float(scale), xs[0].device, native=True)
-        if locate.grid is None:
-            return None
-        knots = locate.knots  # the distinct knots: the tables' rows are their intervals
-    weight_t = None if weight is None else weight.t()
-    return tuple(native_feature_rows(x, weight_t, bias, slope, intercept, knots, norm_eps) for x in xs)
-
-
-def _build_luna_rows(tensors, ints, floats, source) -> products.BuiltRows:
-    """The maker ``luna_rows`` from a run's (x, W^T or None, b or None, slope, intercept, knots) and eps."""
-    x, weight_t, bias, slope, intercept, knots = tensors
-    rows, grid = operator_grid(knots)
-    return luna_native.built_feature_rows(x, weight_t, bias, slope.index_select(0, rows),
-                                          intercept.index_select(0, rows), grid, floats[0])
-
-
-products.register_maker("luna_rows", (6, 0, 1), _build_luna_rows)
 
 
 def projected_channel_features_of(psi, weight: torch.Tensor, bias: torch.Tensor, *xs: torch.Tensor, scale: float = 1.0,

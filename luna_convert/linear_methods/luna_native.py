@@ -10,8 +10,7 @@ the features, the norm done per row while it is in cache. Its backward recompute
 Used by ``luna_kernel.channel_features_of`` when ``ops.native`` could build the library (a C compiler is
 there and ``LUNA_CONVERT_NATIVE`` is not 0), for float32 compute on the CPU; compiled and exported graphs
 call the same passes as registered operators (``luna_kernel``: ``luna_convert::luna_channel_features`` and
-its backward, ``luna_convert::luna_projected_channel_features``), and the features made in the core's
-products (``native_feature_rows``) as the maker ``luna_rows`` that the made-rows operators build. Everywhere
+its backward, ``luna_convert::luna_projected_channel_features``). Everywhere
 else, and as the reference in tests/test_luna_native.py, the PyTorch path runs. Both locate with a
 ``luna_kernel.KnotLocator`` grid; the native one computes the knots' cells with the library's own cell
 function (``native_cells``), the one its search uses for the inputs.
@@ -24,7 +23,6 @@ from pathlib import Path
 import torch
 
 from ..ops import native
-from ..ops.products import BuiltRows, ProducedRows, made
 
 SOURCE = Path(__file__).with_name("luna_channels.c")
 # The limits of luna_channels.c: channels L, scalars located per pass (so projections M), features per row.
@@ -151,36 +149,3 @@ def _layout(x: torch.Tensor, heads: int, tokens: int, d: int, weight_t: torch.Te
     """The projected kernels' first arguments: x where it lies (its strides), W^T and b."""
     return dict(x=x.data_ptr(), heads=heads, tokens=tokens, stride_b=x.stride(0), stride_h=x.stride(1),
                 stride_n=x.stride(2), d=d, wt=weight_t.data_ptr(), bias=bias.data_ptr())
-
-
-def native_feature_rows(x: torch.Tensor, weight_t: torch.Tensor | None, bias: torch.Tensor | None, slope: torch.Tensor,
-                        intercept: torch.Tensor, knots: torch.Tensor, norm_eps: float | None) -> ProducedRows:
-    """The features that ``native_projected_channel_features(x, weight_t, bias, ...)`` (or, ``weight_t`` None,
-    ``native_channel_features(x, ...)`` of a u [B, H, N, M]) returns, as ``ops.products.ProducedRows``: made a
-    block of tokens at a time inside the core's native products, the same values to the bit, never stored.
-    The tables [K + 1, L] go with their float32 knots [K], from which the maker finds the grid
-    (``luna_kernel.operator_grid``, as the registered passes do). float32 inputs on the CPU; no gradients."""
-    b, h, n, d = x.shape
-    projections = d if weight_t is None else weight_t.shape[1]
-    eps = -1.0 if norm_eps is None else float(norm_eps)
-    return ProducedRows("luna_rows", (b, h, n, projections * slope.shape[1]),
-                        (x, weight_t, bias, slope, intercept, knots), (), (eps,))
-
-
-def built_feature_rows(x: torch.Tensor, weight_t: torch.Tensor | None, bias: torch.Tensor | None, slope: torch.Tensor,
-                       intercept: torch.Tensor, grid: tuple, eps: float) -> BuiltRows:
-    """The maker ``luna_rows`` (``native_feature_rows``) over the tables of ``grid``'s intervals, data pointers
-    and strides taken from these tensors."""
-    b, h, n, d = x.shape
-    if weight_t is None:
-        x = x.contiguous()  # the kernel reads u as [B H N, M]
-        projections, layout = d, dict(x=x.data_ptr(), heads=h, tokens=n, stride_b=0, stride_h=0, stride_n=0, d=d,
-                                      wt=None, bias=None)
-    else:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        weight_t, bias = weight_t.contiguous(), bias.contiguous()
-        projections, layout = weight_t.shape[1], _layout(x, h, n, d, weight_t, bias)
-    slope, intercept = slope.contiguous(), intercept.contiguous()
-    return made(library(), "luna_rows", (x, weight_t, bias, slope, intercept, *grid), **layout,
-                **_shared_args(projections, slope, intercept, grid, eps))

@@ -18,9 +18,7 @@ import math
 
 import torch
 
-from ..ops import exp_rows, products
 from ..ops.context import AttentionContext
-from ..ops.products import ProducedRows
 from ..ops.dtypes import accumulation_dtype
 from .base import FeatureMap, Method
 from .performer_options import PerformerOptions
@@ -70,13 +68,6 @@ class PerformerFeatureMap(FeatureMap):
             feats = feats + self.options.kernel_epsilon * self.feature_dim**-0.5
         return feats
 
-    def feature_rows(self, *xs: torch.Tensor,
-                     context: AttentionContext | None = None) -> tuple[ProducedRows | torch.Tensor, ...] | None:
-        """``positive_random_feature_rows`` of each of ``xs``, where no kernel_epsilon is added."""
-        if self.options.kernel_epsilon:
-            return None
-        return positive_random_feature_rows(xs, self.random_features, context, scale=self.head_dim**-0.25)
-
 
 def positive_random_features(x: torch.Tensor, weight: torch.Tensor, context: AttentionContext | None,
                              scale: float = 1.0) -> torch.Tensor:
@@ -106,53 +97,9 @@ def positive_random_features(x: torch.Tensor, weight: torch.Tensor, context: Att
             weight = weight * scale
         weight = (weight.expand(b * h, m, d) if weight.dim() == 2 else weight.repeat(b, 1, 1)).mT
         logits = torch.baddbmm(half_sq_norm, x, weight)  # [BH, n, m]
-        if exp_rows.applies(logits):  # eager, float32 on the CPU
-            return _StabilisedExp.apply(logits, is_key, real is not None).view(b, h, n, m)
-        if torch.compiler.is_compiling() and exp_rows.takes(logits):  # the same passes as an operator
-            with torch.no_grad():
-                shift = _stabiliser(logits, True, real is not None) if is_key else None
-            features = exp_rows.stabilised_exp_op(logits, shift, 0.5 * math.log(m))
-            return features.view(b, h, n, m)
         with torch.no_grad():  # the stabilisers cancel exactly: no gradient (which also lets exp run in place)
             shift = _stabiliser(logits, is_key, real is not None)
         return logits.sub_(shift).exp_().view(b, h, n, m)
-
-
-# Keys' features made inside the products from this size of their stored form on (bytes, per call). They
-# cost a second pass over the logits (for the stabiliser), which pays where storing them would take fresh
-# pages from the system: above the kept heap's 32 MiB (``tools.heap.MMAP_THRESHOLD``). One thread, forward,
-# made / stored keys (docs/design-decisions.md, *Features made inside the products*): Flexformer (m = 64)
-# 1.27 at 1,024 tokens (3 MB), 1.18 at 4,096 (13 MB), 0.91 at 16,384 (50 MB); Performer (m = 266) 0.95 at
-# 13 MB, 0.85 at 52 MB, 0.79 at 209 MB.
-MADE_KEYS_MIN_BYTES = 32 << 20
-
-
-def positive_random_feature_rows(xs: tuple[torch.Tensor, ...], weight: torch.Tensor, context: AttentionContext | None,
-                                 scale: float = 1.0) -> tuple[ProducedRows | torch.Tensor, ...] | None:
-    """``positive_random_features`` of each of ``xs`` for ``FeatureMap.feature_rows``, or None where they do not
-    apply (gradients, not float32 on the CPU, autocast, no native library). The logits scale W x by the affine
-    maker. Queries' are made inside the core's products, never stored: exp(logits - their max - ln(m) / 2)
-    (``exp_rows.exp_minus_row_max_rows``), whose -|x|^2 / (2 sqrt(d)) term is one number per query that the max
-    takes out again, so it is left out. Keys' (``context.role`` "key"), whose stabiliser is a max over all real
-    keys: made too (``exp_rows.positive_key_rows``, the stabiliser from a pass of its own over the logits) from
-    ``MADE_KEYS_MIN_BYTES`` of stored features on, else stored, as ``positive_random_features`` computes them.
-    The made features move by float32 rounding."""
-    if not exp_rows.rows_apply(*xs, weight):
-        return None
-    is_key = context is not None and context.role == "key"
-    m = weight.shape[-2]
-    # Compiled and exported graphs store the keys at every size: a branch on the size would tie a graph to it
-    if is_key and (torch.compiler.is_compiling() or xs[0].shape[:-1].numel() * m * 4 < MADE_KEYS_MIN_BYTES):
-        return tuple(positive_random_features(x, weight, context, scale) for x in xs)
-    weight_t = (weight * scale).mT.contiguous()  # [d, m], or [H, d, m]: each head's own (Flexformer)
-    bias = weight_t.new_zeros(weight_t.shape[:-2] + weight_t.shape[-1:])
-    offset = 0.5 * math.log(m)
-    logits = [products.affine_feature_rows(x, weight_t, bias, relu=False) for x in xs]
-    if is_key:
-        norm_scale = -0.5 * xs[0].shape[-1]**-0.5  # -|x|^2 / (2 sqrt(d)), of the unscaled x
-        return tuple(exp_rows.positive_key_rows(rows, x, norm_scale, offset, context.view_mask)
-                     for rows, x in zip(logits, xs))
-    return tuple(exp_rows.exp_minus_row_max_rows(rows, offset) for rows in logits)
 
 
 def _stabiliser(logits: torch.Tensor, is_key: bool, padded: bool) -> torch.Tensor:
@@ -165,28 +112,6 @@ def _stabiliser(logits: torch.Tensor, is_key: bool, padded: bool) -> torch.Tenso
     else:
         shift = logits.amax(dim=-1, keepdim=True)  # per query: cancels in its own row
     return shift.add_(0.5 * math.log(logits.shape[-1]))
-
-
-class _StabilisedExp(torch.autograd.Function):
-    """exp(logits - _stabiliser(logits)) in place, the exps one native pass per row (``ops.exp_rows``; the max, the
-    subtraction and exp were three passes), a query's max found in the same pass. The stabilisers pass no
-    gradient, so the gradient is grad * features. (Eager only: dynamo does not trace ``mark_dirty``; compiled
-    graphs call ``exp_rows.stabilised_exp_op``, the same passes into a fresh tensor.)"""
-
-    @staticmethod
-    def forward(ctx, logits, is_key: bool, padded: bool):
-        if is_key:
-            features = exp_rows.exp_minus_shift_(logits, _stabiliser(logits, True, padded))
-        else:
-            features = exp_rows.exp_minus_row_max_(logits, 0.5 * math.log(logits.shape[-1]))
-        ctx.mark_dirty(logits)
-        ctx.save_for_backward(features)
-        return features
-
-    @staticmethod
-    def backward(ctx, grad):
-        (features,) = ctx.saved_tensors
-        return grad * features, None, None
 
 
 PERFORMER = register(Method(

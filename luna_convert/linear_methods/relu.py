@@ -11,9 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops import exp_rows
 from ..ops.context import AttentionContext
-from ..ops.products import ProducedRows
 from .base import AttentionOptions, FeatureMap, Method
 from .registry import register
 
@@ -30,14 +28,6 @@ class ReluFeatureMap(FeatureMap):
 
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
         return F.relu(x)
-
-    def feature_rows(self, *xs: torch.Tensor,
-                     context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
-        """relu(x) of each of ``xs`` made inside the core's native products, never stored
-        (``ops.exp_rows.pointwise_feature_rows``, the same values to the bit): at inference, float32 on the CPU."""
-        if not exp_rows.rows_apply(*xs):
-            return None
-        return tuple(exp_rows.pointwise_feature_rows(x, "relu") for x in xs)
 
 
 RELU = register(Method(

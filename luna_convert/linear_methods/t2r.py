@@ -12,9 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import products
 from ..ops.context import AttentionContext
-from ..ops.products import ProducedRows
 from .base import FeatureMap, Method
 from .t2r_options import T2ROptions
 from .registry import register
@@ -37,16 +35,6 @@ class T2RFeatureMap(FeatureMap):
 
     def forward(self, x: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
         return F.relu(self.proj(x))
-
-    def feature_rows(self, *xs: torch.Tensor,
-                     context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
-        """The features of each of ``xs`` made inside the core's native products, never stored
-        (``ops.products.affine_feature_rows``): at inference, float32 on the CPU."""
-        if not products.produced_rows_apply(*xs, *self.parameters()):
-            return None
-        weight_t = self.proj.weight.t().contiguous()  # once for queries and keys
-        bias = self.proj.bias if self.proj.bias is not None else weight_t.new_zeros(weight_t.shape[1])
-        return tuple(products.affine_feature_rows(x, weight_t, bias, relu=True) for x in xs)
 
 
 T2R_DETAILS = """Confirmed (paper and public scripts): phi(x) = ReLU(W x + b), one Linear(d, D) per layer for

@@ -204,22 +204,14 @@ def linear_attention_unnormalised(phi_q: torch.Tensor, phi_k: torch.Tensor, v: t
         return _sums_and_products(phi_q.to(compute), phi_k.to(compute), v.to(compute), _keys_kept(key_mask))[-1]
 
 
-def produced_attention_unnormalised(query_rows: products.ProducedRows,
-                                    key_rows: products.ProducedRows | torch.Tensor, v: torch.Tensor,
-                                    key_mask: torch.Tensor | None = None) -> torch.Tensor:
+def produced_attention_unnormalised(query_rows: products.ProducedRows, key_rows: products.ProducedRows,
+                                    v: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``linear_attention_unnormalised`` of features that the native products make block by block
-    (``products.ProducedRows``), so that neither phi_q nor phi_k is ever in memory: float32 v [B, H, N, d] on
-    the CPU, no gradients. The products run the same loops as on stored features, so the sums are those of the
-    native products of the stored features to the bit wherever the maker's features are the stored ones to
-    the bit: LUNA's, Hedgehog's, Taylor's and LLoPS's makers (the last two store theirs feature-major, which
-    took ``torch.bmm``); T2R's rounds its projection in another order. ``key_rows`` may also be stored features
-    [B, H, N, D] (Performer's keys, whose stabiliser is a max over all of them)."""
+    (``products.ProducedRows``: Taylor's), so that neither phi_q nor phi_k is ever in memory: float32 v
+    [B, H, N, d] on the CPU, no gradients. Equal to the stored features' output to float32 rounding (the
+    native products sum in their own order)."""
     keep = _keys_kept(key_mask)
-    values = _values_kept(v, keep)
-    if isinstance(key_rows, torch.Tensor):
-        kvz = products.transposed_product(key_rows, values, with_sum=keep is None)
-    else:
-        kvz = products.produced_transposed_product(key_rows, values, with_sum=keep is None)
+    kvz = products.produced_transposed_product(key_rows, _values_kept(v, keep), with_sum=keep is None)
     return products.produced_product(query_rows, kvz)
 
 

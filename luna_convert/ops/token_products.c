@@ -1,26 +1,24 @@
-/* The linear-attention core's two matrix products on the CPU in float32 (the native path of
- * ops.products; the reference is torch.bmm): per batch entry b of [b0, b1),
+/* The linear-attention core's two matrix products on the CPU in float32, for an x [n, D] that a maker makes a
+ * block of tokens at a time instead of reading it from memory (Taylor's pair features, ops/pair_rows.c), per
+ * batch entry b of [b0, b1) (the native path of ops.products' produced products; the reference is torch.bmm of
+ * the stored features):
  *
- *     transposed_product:   c[b] = x[b]^T y[b]            x [n, D], y [n, e] -> c [D, e (+ 1)]
- *                           (with `with_sum`, c's column e holds x[b]'s sum over the n tokens: z)
- *     product:              c[b] = x[b] w[b] (+ bias[b])  x [n, D], w [D, e], bias [e] or NULL -> c [n, e]
+ *     produced_transposed_product:   c[b] = x[b]^T y[b]   y [n, e] -> c [D, e (+ 1)]
+ *                                    (with `with_sum`, c's column e holds x[b]'s sum over the n tokens: z)
+ *     produced_product:              c[b] = x[b] w[b]     w [D, e] -> c [n, e]
  *
- * Why not BLAS: these shapes (a 4,096-long sum into a 64 x 64 block; 4,096 rows times a 64 x 65 block) run
- * at about half of this machine's square-product rate in MKL (python benchmarks/gemm_rate.py --threads 1). Here
- * each tile of the result stays in registers while the long axis streams through, with no packing copies.
+ * Each tile of the result stays in registers while the made block streams through, with no packing copies.
  *
  * Plain C99 with x86 intrinsics, no PyTorch headers, compiled by ops/native.py with -march=native. It has
- * code for AVX-512 (16 lanes) and for AVX2 with FMA (8 lanes); elsewhere `product_lanes` returns 0 and
- * ops.products keeps torch.bmm. The fused multiply-adds are written out (the build's -ffp-contract=off
+ * code for AVX-512 (16 lanes) and for AVX2 with FMA (8 lanes); elsewhere `product_lanes` returns 0 and the
+ * maps store their features. The fused multiply-adds are written out (the build's -ffp-contract=off
  * forbids the compiler to choose them), so the sums round as a fused sum does, not as BLAS's order does:
  * the values agree with torch.bmm to float32 rounding, not to the bit.
  *
  * The batch is two axes, [B, H] (batch and heads): entry b of [b0, b1) is (b / inner, b % inner) with
- * inner = H. Each operand's layout is three strides in floats, {outer, inner, row}, and unit column stride,
- * so that the heads split from [B, N, H d] are read where they lie, and an operand expanded over the batch
- * (stride 0) is read without a copy. Columns beyond the last full vector of LANES, and the sum column, go
- * through vector code of their own: scaled adds over the tokens (transposed_product), dot products of
- * several rows at once (product).
+ * inner = H. Each read operand's layout is three strides in floats, {outer, inner, row}, and unit column
+ * stride. Columns beyond the last full vector of LANES, and the sum column, go through vector code of their
+ * own: scaled adds over the tokens (transposed product), dot products of several rows at once (product).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -71,7 +69,7 @@ int product_lanes(void) { return LANES; }
 
 /* c[rows, vecs LANES] = start + sum over `steps` rank-one updates a[s, r] b[s, :], the tile in registers.
  * a's element (s, r) is at a[s a_step + r a_row], b's row s at b + s b_step; `start` is a tile with row
- * stride start_row (0: one row for all, a bias), or NULL for zeros. Both products are this loop:
+ * stride start_row, or NULL for zeros. Both products are this loop:
  * x^T y steps over tokens (a = x read along a row), x w over the depth (a = x read down a column). */
 ALWAYS_INLINE void tile(const float *a, int64_t a_step, int64_t a_row, const float *b, int64_t b_step,
                         const float *start, int64_t start_row, float *c, int64_t ldc, int64_t steps,
@@ -115,9 +113,9 @@ static void tile_any(const float *a, int64_t a_step, int64_t a_row, const float 
     }
 }
 
-/* c[r] = bias + sum_i x[r, i] w[i] for the tile's rows: the dots side by side, so that no row waits for
+/* c[r] = sum_i x[r, i] w[i] for the tile's rows: the dots side by side, so that no row waits for
  * the previous row's chain of adds. */
-ALWAYS_INLINE void dots_tile(const float *x, int64_t ldx, const float *w, float bias, float *c, int64_t ldc,
+ALWAYS_INLINE void dots_tile(const float *x, int64_t ldx, const float *w, float *c, int64_t ldc,
                              int64_t depth, const int rows) {
     vec acc[TILE_ROWS];
     for (int r = 0; r < rows; ++r) acc[r] = vzero();
@@ -129,21 +127,21 @@ ALWAYS_INLINE void dots_tile(const float *x, int64_t ldx, const float *w, float 
     for (int r = 0; r < rows; ++r) {
         float s = vsum(acc[r]);
         for (int64_t k = i; k < depth; ++k) s += x[r * ldx + k] * w[k];
-        c[r * ldc] = bias + s;
+        c[r * ldc] = s;
     }
 }
 
-static void dots_tile_any(const float *x, int64_t ldx, const float *w, float bias, float *c, int64_t ldc,
+static void dots_tile_any(const float *x, int64_t ldx, const float *w, float *c, int64_t ldc,
                           int64_t depth, int rows) {
     switch (rows) {
-    case 1: dots_tile(x, ldx, w, bias, c, ldc, depth, 1); break;
-    case 2: dots_tile(x, ldx, w, bias, c, ldc, depth, 2); break;
-    case 3: dots_tile(x, ldx, w, bias, c, ldc, depth, 3); break;
-    case 4: dots_tile(x, ldx, w, bias, c, ldc, depth, 4); break;
+    case 1: dots_tile(x, ldx, w, c, ldc, depth, 1); break;
+    case 2: dots_tile(x, ldx, w, c, ldc, depth, 2); break;
+    case 3: dots_tile(x, ldx, w, c, ldc, depth, 3); break;
+    case 4: dots_tile(x, ldx, w, c, ldc, depth, 4); break;
 #if TILE_ROWS > 5
-    case 5: dots_tile(x, ldx, w, bias, c, ldc, depth, 5); break;
+    case 5: dots_tile(x, ldx, w, c, ldc, depth, 5); break;
 #endif
-    default: dots_tile(x, ldx, w, bias, c, ldc, depth, TILE_ROWS); break;
+    default: dots_tile(x, ldx, w, c, ldc, depth, TILE_ROWS); break;
     }
 }
 
@@ -167,39 +165,38 @@ static inline int64_t entry(const int64_t *s, int64_t b, int64_t inner) { return
 #endif /* LANES */
 
 /* Rows [t0, t0 + tn) of batch entry b of an operand x [n, depth] that is made block by block instead of read
- * from memory (LUNA's features from its projected queries or keys), written to out [tn, depth]. */
+ * from memory, written to out [tn, depth]. */
 typedef void (*produce_rows)(const void *state, int64_t b, int64_t t0, int64_t tn, float *out);
 
-/* transposed_product, its x read from memory (produce NULL) or made TOKEN_BLOCK tokens at a time into a
- * buffer that stays in cache while every tile of c passes over it (x NULL). */
-static void transposed_product_of(const float *x, produce_rows produce, const void *state, const float *y, float *c,
-                                  int64_t b0, int64_t b1, int64_t inner, int64_t n, int64_t depth, int64_t columns,
-                                  int32_t with_sum, const int64_t *sx, const int64_t *sy, const int64_t *sc) {
+/* x^T y for the x that produce(state, ...) makes TOKEN_BLOCK tokens at a time into a buffer that stays in
+ * cache while every tile of c passes over it. */
+void produced_transposed_product(produce_rows produce, const void *state, const float *y, float *c, int64_t b0,
+                                 int64_t b1, int64_t inner, int64_t n, int64_t depth, int64_t columns, int32_t with_sum,
+                                 const int64_t *sy, const int64_t *sc) {
 #if LANES
     const int64_t full = columns / LANES, rest = columns - full * LANES, extra = rest + (with_sum ? 1 : 0);
-    const int64_t ldx = produce ? depth : sx[2], ldy = sy[2], ldc = sc[2];
+    const int64_t ldy = sy[2], ldc = sc[2];
     float *sums = extra ? malloc(sizeof(float) * extra * depth) : 0; /* the columns past the vectors, by row */
-    float *made = produce ? malloc(sizeof(float) * TOKEN_BLOCK * depth) : 0;
-    if ((extra && !sums) || (produce && !made)) abort(); /* without them the result would be wrong */
+    float *made = malloc(sizeof(float) * TOKEN_BLOCK * depth);
+    if ((extra && !sums) || !made) abort(); /* without them the result would be wrong */
     for (int64_t b = b0; b < b1; ++b) {
-        const float *xb = produce ? 0 : x + entry(sx, b, inner), *yb = y + entry(sy, b, inner);
+        const float *yb = y + entry(sy, b, inner);
         float *cb = c + entry(sc, b, inner);
         for (int64_t i = 0; i < depth; ++i) memset(cb + i * ldc, 0, sizeof(float) * full * LANES);
         if (extra) memset(sums, 0, sizeof(float) * extra * depth);
         for (int64_t t0 = 0; t0 < n; t0 += TOKEN_BLOCK) {
             const int64_t tn = n - t0 < TOKEN_BLOCK ? n - t0 : TOKEN_BLOCK;
-            if (produce) produce(state, b, t0, tn, made);
-            const float *xt = produce ? made : xb + t0 * ldx; /* the block's first row */
+            produce(state, b, t0, tn, made);
             for (int64_t i0 = 0; i0 < depth; i0 += TILE_ROWS) {
                 const int rows = depth - i0 < TILE_ROWS ? (int)(depth - i0) : TILE_ROWS;
                 for (int64_t v0 = 0; v0 < full; v0 += TILE_VECS) {
                     const int vecs = full - v0 < TILE_VECS ? (int)(full - v0) : TILE_VECS;
                     float *ct = cb + i0 * ldc + v0 * LANES; /* accumulates over the token blocks */
-                    tile_any(xt + i0, ldx, 1, yb + t0 * ldy + v0 * LANES, ldy, ct, ldc, ct, ldc, tn, rows, vecs);
+                    tile_any(made + i0, depth, 1, yb + t0 * ldy + v0 * LANES, ldy, ct, ldc, ct, ldc, tn, rows, vecs);
                 }
             }
             for (int64_t t = 0; t < tn; ++t) {
-                const float *xr = xt + t * ldx, *yr = yb + (t0 + t) * ldy;
+                const float *xr = made + t * depth, *yr = yb + (t0 + t) * ldy;
                 for (int64_t j = 0; j < rest; ++j) scaled_add(sums + j * depth, xr, yr[full * LANES + j], depth);
                 if (with_sum) scaled_add(sums + rest * depth, xr, 1.0f, depth);
             }
@@ -210,125 +207,43 @@ static void transposed_product_of(const float *x, produce_rows produce, const vo
     free(sums);
     free(made);
 #else
-    (void)x, (void)produce, (void)state, (void)y, (void)c, (void)b0, (void)b1, (void)inner, (void)n, (void)depth;
-    (void)columns, (void)with_sum, (void)sx, (void)sy, (void)sc;
+    (void)produce, (void)state, (void)y, (void)c, (void)b0, (void)b1, (void)inner, (void)n, (void)depth;
+    (void)columns, (void)with_sum, (void)sy, (void)sc;
 #endif
 }
 
-void transposed_product(const float *x, const float *y, float *c, int64_t b0, int64_t b1, int64_t inner, int64_t n,
-                        int64_t depth, int64_t columns, int32_t with_sum, const int64_t *sx, const int64_t *sy,
-                        const int64_t *sc) {
-    transposed_product_of(x, 0, 0, y, c, b0, b1, inner, n, depth, columns, with_sum, sx, sy, sc);
-}
-
-/* transposed_product of the x that produce(state, ...) makes (in entry b's rows, a contiguous [n, depth]). */
-void produced_transposed_product(produce_rows produce, const void *state, const float *y, float *c, int64_t b0,
-                                 int64_t b1, int64_t inner, int64_t n, int64_t depth, int64_t columns, int32_t with_sum,
-                                 const int64_t *sy, const int64_t *sc) {
-    transposed_product_of(0, produce, state, y, c, b0, b1, inner, n, depth, columns, with_sum, 0, sy, sc);
-}
-
-/* product, its x read from memory (produce NULL) or made TOKEN_BLOCK rows at a time (x NULL), as above. */
-static void product_of(const float *x, produce_rows produce, const void *state, const float *w, const float *bias,
-                       float *c, int64_t b0, int64_t b1, int64_t inner, int64_t n, int64_t depth, int64_t columns,
-                       const int64_t *sx, const int64_t *sw, const int64_t *sbias, const int64_t *sc) {
+/* x w for the x that produce(state, ...) makes TOKEN_BLOCK rows at a time. */
+void produced_product(produce_rows produce, const void *state, const float *w, float *c, int64_t b0, int64_t b1,
+                      int64_t inner, int64_t n, int64_t depth, int64_t columns, const int64_t *sw, const int64_t *sc) {
 #if LANES
     const int64_t full = columns / LANES, rest = columns - full * LANES, ldw = sw[2], ldc = sc[2];
-    const int64_t ldx = produce ? depth : sx[2], block = produce ? TOKEN_BLOCK : n;
     float *w_rest = rest ? malloc(sizeof(float) * rest * depth) : 0; /* w's last columns, each contiguous */
-    float *made = produce ? malloc(sizeof(float) * TOKEN_BLOCK * depth) : 0;
-    if ((rest && !w_rest) || (produce && !made)) abort(); /* without them the result would be wrong */
+    float *made = malloc(sizeof(float) * TOKEN_BLOCK * depth);
+    if ((rest && !w_rest) || !made) abort(); /* without them the result would be wrong */
     for (int64_t b = b0; b < b1; ++b) {
-        const float *xb = produce ? 0 : x + entry(sx, b, inner), *wb = w + entry(sw, b, inner);
-        const float *biasb = bias ? bias + entry(sbias, b, inner) : 0;
+        const float *wb = w + entry(sw, b, inner);
         float *cb = c + entry(sc, b, inner);
         columns_of(wb, ldw, depth, full * LANES, rest, w_rest);
-        for (int64_t s0 = 0; s0 < n; s0 += block) {
-            const int64_t sn = n - s0 < block ? n - s0 : block;
-            if (produce) produce(state, b, s0, sn, made);
-            const float *xs = produce ? made : xb + s0 * ldx; /* the block's first row */
+        for (int64_t s0 = 0; s0 < n; s0 += TOKEN_BLOCK) {
+            const int64_t sn = n - s0 < TOKEN_BLOCK ? n - s0 : TOKEN_BLOCK;
+            produce(state, b, s0, sn, made);
             for (int64_t t0 = 0; t0 < sn; t0 += TILE_ROWS) {
                 const int rows = sn - t0 < TILE_ROWS ? (int)(sn - t0) : TILE_ROWS;
                 float *ct = cb + (s0 + t0) * ldc;
                 for (int64_t v0 = 0; v0 < full; v0 += TILE_VECS) {
                     const int vecs = full - v0 < TILE_VECS ? (int)(full - v0) : TILE_VECS;
-                    tile_any(xs + t0 * ldx, 1, ldx, wb + v0 * LANES, ldw, biasb ? biasb + v0 * LANES : 0, 0,
-                             ct + v0 * LANES, ldc, depth, rows, vecs);
+                    tile_any(made + t0 * depth, 1, depth, wb + v0 * LANES, ldw, 0, 0, ct + v0 * LANES, ldc, depth, rows,
+                             vecs);
                 }
                 for (int64_t j = 0; j < rest; ++j)
-                    dots_tile_any(xs + t0 * ldx, ldx, w_rest + j * depth, biasb ? biasb[full * LANES + j] : 0.0f,
-                                  ct + full * LANES + j, ldc, depth, rows);
+                    dots_tile_any(made + t0 * depth, depth, w_rest + j * depth, ct + full * LANES + j, ldc, depth, rows);
             }
         }
     }
     free(w_rest);
     free(made);
 #else
-    (void)x, (void)produce, (void)state, (void)w, (void)bias, (void)c, (void)b0, (void)b1, (void)inner, (void)n;
-    (void)depth, (void)columns, (void)sx, (void)sw, (void)sbias, (void)sc;
-#endif
-}
-
-void product(const float *x, const float *w, const float *bias, float *c, int64_t b0, int64_t b1, int64_t inner,
-             int64_t n, int64_t depth, int64_t columns, const int64_t *sx, const int64_t *sw, const int64_t *sbias,
-             const int64_t *sc) {
-    product_of(x, 0, 0, w, bias, c, b0, b1, inner, n, depth, columns, sx, sw, sbias, sc);
-}
-
-/* product of the x that produce(state, ...) makes, without a bias. */
-void produced_product(produce_rows produce, const void *state, const float *w, float *c, int64_t b0, int64_t b1,
-                      int64_t inner, int64_t n, int64_t depth, int64_t columns, const int64_t *sw, const int64_t *sc) {
-    product_of(0, produce, state, w, 0, c, b0, b1, inner, n, depth, columns, 0, sw, 0, sc);
-}
-
-/* Affine features relu(x W^T + b) (or without the relu) of a token's x [d], made a block of tokens at a time
- * for the produced_* functions above (T2R's map; Hedgehog's logits, one W per head): x at any strides (its
- * last 1), W^T [d, D] and b [D] contiguous, per head `weight_head` and `bias_head` floats apart (0: one for all).
- * The sums are the tile's, in depth order, and the last columns' the dots', as `product` computes x W^T + b. */
-typedef struct {
-    const float *x;
-    int64_t heads, stride_b, stride_h, stride_n, depth, columns, weight_head, bias_head;
-    const float *wt, *bias;
-    int32_t relu;
-} affine_state_t;
-
-int affine_rows_state_size(void) { return (int)sizeof(affine_state_t); }
-
-void affine_rows_state(affine_state_t *s, const float *x, int64_t heads, int64_t stride_b, int64_t stride_h,
-                       int64_t stride_n, int64_t depth, int64_t columns, const float *wt, const float *bias,
-                       int64_t weight_head, int64_t bias_head, int32_t relu) {
-    const affine_state_t state = {x, heads, stride_b, stride_h, stride_n, depth, columns, weight_head, bias_head,
-                                  wt, bias, relu};
-    *s = state;
-}
-
-/* The features [tn, D] of tokens [t0, t0 + tn) of batch entry b (b = batch * heads + head). */
-void affine_rows(const void *state, int64_t b, int64_t t0, int64_t tn, float *out) {
-#if LANES
-    const affine_state_t *s = state;
-    const int64_t d = s->depth, D = s->columns, ldx = s->stride_n, full = D / LANES;
-    const int64_t head = b % s->heads;
-    const float *x = s->x + (b / s->heads) * s->stride_b + head * s->stride_h + t0 * ldx;
-    const float *wt = s->wt + head * s->weight_head, *bias = s->bias + head * s->bias_head;
-    const int64_t rest = D - full * LANES;
-    float *w_rest = rest ? malloc(sizeof(float) * rest * d) : 0; /* W^T's last columns, each contiguous */
-    if (rest && !w_rest) abort(); /* without them the result would be wrong */
-    columns_of(wt, D, d, full * LANES, rest, w_rest);
-    for (int64_t r0 = 0; r0 < tn; r0 += TILE_ROWS) {
-        const int rows = tn - r0 < TILE_ROWS ? (int)(tn - r0) : TILE_ROWS;
-        for (int64_t v0 = 0; v0 < full; v0 += TILE_VECS) {
-            const int vecs = full - v0 < TILE_VECS ? (int)(full - v0) : TILE_VECS;
-            tile_any(x + r0 * ldx, 1, ldx, wt + v0 * LANES, D, bias + v0 * LANES, 0, out + r0 * D + v0 * LANES, D, d,
-                     rows, vecs);
-        }
-        for (int64_t j = 0; j < rest; ++j) /* the columns past the last full vector: the tile's rows' dots */
-            dots_tile_any(x + r0 * ldx, ldx, w_rest + j * d, bias[full * LANES + j], out + r0 * D + full * LANES + j, D,
-                          d, rows);
-    }
-    free(w_rest);
-    if (s->relu)
-        for (int64_t i = 0; i < tn * D; ++i) out[i] = out[i] < 0.0f ? 0.0f : out[i]; /* NaN stays NaN, as in torch.relu */
-#else
-    (void)state, (void)b, (void)t0, (void)tn, (void)out;
+    (void)produce, (void)state, (void)w, (void)c, (void)b0, (void)b1, (void)inner, (void)n, (void)depth;
+    (void)columns, (void)sw, (void)sc;
 #endif
 }

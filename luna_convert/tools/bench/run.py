@@ -12,7 +12,6 @@ from typing import Iterable, Sequence
 from ...errors import LunaConvertError, unknown_name
 from ...fileio import atomic_write_json, atomic_write_text
 from ...linear_methods import METHODS, luna_native, sorting_native
-from ...ops import exp_rows
 from ...ops.dwc import native_status as dwc_native_status
 from ...ops.products import native_status as products_native_status
 from ..background_load import background_load as run_background_load
@@ -39,7 +38,7 @@ def _meta(device, repeats: int, warmup: int, quick: bool) -> dict:
             "warmup": warmup, "quick": quick, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "luna_native_kernel": luna_native.status(), "dwc_native_pass": dwc_native_status(),
             "sorting_native_pass": sorting_native.status(), "core_native_products": products_native_status(),
-            "exp_rows_native": exp_rows.status(), "heap": heap_policy()}
+            "heap": heap_policy()}
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)
     if hasattr(os, "getloadavg"):
@@ -168,8 +167,7 @@ def _run(output_dir, lengths, methods, dev, layer_repeats, model_repeats, warmup
         f"methods: {', '.join(methods)}; LUNA's native channel kernel {results['meta']['luna_native_kernel']}, "
         f"DWC's native pass (no grad) {results['meta']['dwc_native_pass']}, "
         f"the sorting kernel's native passes {results['meta']['sorting_native_pass']}, "
-        f"the core's native products {results['meta']['core_native_products']}, "
-        f"the native exps of rows (Hedgehog, Performer, Flexformer) {results['meta']['exp_rows_native']}; "
+        f"the core's native products {results['meta']['core_native_products']}; "
         f"heap: {results['meta']['heap']}")
     results["layers"] = bench_layers(lengths, methods, dev, layer_repeats, warmup, memory=memory,
                                      eager_max_length=eager_max_length or 0, cpu_time=cpu_time, dtype=dtype, log=log)
