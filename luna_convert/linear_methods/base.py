@@ -112,11 +112,9 @@ class FeatureMap(MethodCore, abc.ABC):
         return tuple(self(x) for x in xs)
 
     def feature_rows(self, *xs: torch.Tensor,
-                     context: AttentionContext | None = None) -> tuple[ProducedRows | torch.Tensor, ...] | None:
+                     context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
         """The features of each of ``xs`` as ``ops.products.ProducedRows`` (made inside the core's native
-        products, never stored), or None: the layer then stores them. A map that is not ``context_free`` is
-        given one x at a time with its ``context`` (the layer's, its role set); keys' may be given stored, as a
-        tensor (Performer's, whose stabiliser is a max over all keys)."""
+        products, never stored: Taylor's), or None: the layer then stores them."""
         return None
 
 
