@@ -25,8 +25,7 @@ import torch
 from thread_timing import median_thread_ms
 
 # per method: the C sources whose effect is worth telling apart (beyond "all native" and "none")
-SOURCES = {"luna": ("token_products.c", "luna_channels.c", "dwc_tokens.c"), "hedgehog": ("token_products.c",),
-           "performer": ("token_products.c",), "taylor": ("token_products.c",)}
+SOURCES = {"luna": ("luna_channels.c",), "taylor": ("token_products.c",)}
 
 
 def configurations(method: str) -> list[str]:

@@ -356,10 +356,8 @@ def methods(
             console.print(f"    {option:<22} {escape(repr(default)):<10} {escape(text)}")
         if name == "luna":
             from .linear_methods.luna_native import status
-            from .ops.dwc import native_status
 
             console.print(f"  native channel kernel (CPU, float32): {escape(status())}")
-            console.print(f"  native DWC pass (CPU, float32, no gradients): {escape(native_status())}")
         if name == "sorting":
             from .linear_methods.sorting_native import status
 

@@ -30,7 +30,7 @@ def registered_operators() -> dict[str, str]:
 
 def test_every_operator_has_its_reference_beside_it():
     operators = registered_operators()
-    assert len(operators) >= 9, operators  # the scan found the registrations
+    assert len(operators) >= 7, operators  # the scan found the registrations
     missing = []
     for name, module_name in operators.items():
         if name.endswith("_backward") or name in REFERENCED_ELSEWHERE:
@@ -39,7 +39,7 @@ def test_every_operator_has_its_reference_beside_it():
         if not callable(getattr(module, f"{name}_reference", None)):
             missing.append(f"{module_name}.{name}_reference")
     assert not missing, f"operators without a reference beside them: {missing}"
-    orphans = [name for name in operators if name.endswith("_backward")  # dwc_tokens_backward: dwc_tokens_plus's
+    orphans = [name for name in operators if name.endswith("_backward")
                and not any(other.startswith(name.removesuffix("_backward")) for other in operators if other != name)]
     assert not orphans, f"backward operators without their forward: {orphans}"
 

@@ -1,5 +1,5 @@
 """The products of made rows (Taylor's features) and the DWC pass as registered PyTorch operators
-(``ops.products``, ``ops.dwc``): their registration (schema, fake implementation, autograd) checked by
+(``ops.products``): their registration (schema, fake implementation, autograd) checked by
 ``torch.library.opcheck``, their values against float64 references, and the operators called inside compiled
 graphs and shown by torch.export."""
 
@@ -39,63 +39,6 @@ def test_torch_export_shows_the_operators_and_runs(method, operators):
         with native.reference_kernels():  # what export_model traces: no native operator in the graph
             plain = torch.export.export(model, (), dict(inputs), strict=False)
     assert _operators_in(plain) == set()
-
-
-def _dwc_operands(divided: bool, masked: bool):
-    from luna_convert.ops import dwc
-
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 3, 11, 8, generator=g)
-    weight, bias = torch.randn(8, 1, 3, generator=g), torch.randn(8, generator=g)
-    addend = torch.randn(2, 3, 11, 8 + divided, generator=g)
-    if divided:
-        addend[..., -1] = addend[..., -1].abs() + 1
-    keep = (torch.arange(11) < torch.tensor([[11], [7]])).to(torch.uint8) if masked else None
-    return dwc, (x, weight, bias, addend, keep, [0, 1, 11, 1, 3], divided, 1e-6, False)
-
-
-@pytest.mark.parametrize("masked", [False, True])
-def test_dwc_operator_registration_and_reference(masked):
-    dwc, args = _dwc_operands(False, masked)
-    x, weight, bias, addend, keep = args[:5]
-    torch.library.opcheck(dwc.dwc_tokens_plus_op, (x.requires_grad_(), weight.requires_grad_(),
-                                                   bias.requires_grad_(), addend.requires_grad_(), *args[4:]))
-    got = dwc.dwc_tokens_plus_op(*args)
-    leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias, addend)]
-    want = dwc.depthwise_conv_tokens_plus(*leaves, None if keep is None else keep.bool())
-    assert torch.allclose(got.double(), want, atol=1e-5)
-    grads = torch.autograd.grad((got * want.detach().float()).sum(), (x, weight, bias, addend))
-    want_grads = torch.autograd.grad((want * want.detach()).sum(), leaves)
-    for a, b in zip(grads, want_grads):
-        assert torch.allclose(a.double(), b, atol=1e-4)
-
-
-def test_compiled_luna_layer_calls_the_native_dwc(monkeypatch):
-    from luna_convert.ops import dwc
-
-    calls = []
-    real = dwc._native_pass
-    monkeypatch.setattr(dwc, "_native_pass", lambda *a: calls.append(1) or real(*a))
-    layer = LinearAttention("luna", 16, 2, 0.25, dwc=True)
-    torch.nn.init.normal_(layer.dwc.conv.weight)
-    q, k, v = (torch.randn(2, 2, 24, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
-    with torch.no_grad():
-        expected = layer(q, k, v)
-        del calls[:]
-        assert torch.allclose(compiled(q, k, v), expected, atol=1e-5)
-    assert calls
-
-
-def test_fake_outputs_promise_the_real_layouts():
-    """Inductor checks a custom operator's outputs against its fake implementation's sizes and strides."""
-    from luna_convert.ops import dwc
-
-    _, dwc_args = _dwc_operands(False, True)
-    grad = torch.randn(dwc_args[0].shape)
-    _assert_fake_layouts([(dwc.dwc_tokens_plus_op, dwc_args),
-                          (dwc.dwc_tokens_backward_op, (grad, dwc_args[0], dwc_args[1], dwc_args[4], dwc_args[5]))])
 
 
 def _assert_fake_layouts(cases) -> None:

@@ -25,7 +25,7 @@ from ..linear_methods.registry import get_method
 from ..ops.context import AttentionContext
 from ..ops.dwc import depthwise_conv_tokens_plus
 from ..ops.linear import (divide_by_last_column, floored_linear_attention, linear_attention,
-                          linear_attention_unnormalised, produced_attention_unnormalised, warn_small_denominators)
+                          produced_attention_unnormalised, warn_small_denominators)
 from ..ops.reference import (attention_distillation_loss, linear_attention_weights, output_distillation_loss,
                              softmax_attention, softmax_attention_weights, windowed_linear_attention_weights)
 from ..ops.streamed import streamed_linear_attention
@@ -63,7 +63,21 @@ class AttentionMode(enum.Enum):
         return self in (AttentionMode.DISTILL_ATTENTION, AttentionMode.DISTILL_OUTPUT)
 
 
+class AttentionPath(enum.Enum):
+    """How a :class:`LinearAttention` call computes its output: chosen by :meth:`LinearAttention.path` alone."""
+
+    SOFTMAX = "softmax"  # AttentionMode.SOFTMAX: SDPA
+    DISTILL_OUTPUT = "distill output"  # SDPA's output returned, the linear output's distance to it kept
+    DISTILL_ATTENTION = "distill attention"  # softmax's N x N rows returned through v, the linear rows' CE kept
+    KERNEL = "kernel"  # a kernel method's own computation (sorting: sorting_sums.c where built, else PyTorch)
+    WINDOWED = "windowed"  # exact softmax in the window, gamma x linear attention beyond (ops.windowed)
+    MADE_ROWS = "made rows"  # features made inside the native products, never stored (Taylor's pair_rows.c)
+    STREAMED = "streamed"  # the standard path chunk by chunk over the tokens (ops.streamed)
+    LINEAR = "linear"  # the standard path: features stored, two products, one division (ops.linear)
+
+
 class DepthwiseConvBranch(nn.Module):
+
     """DWC(V): a depthwise conv over tokens shared across heads (FLatten-style).
 
     Text: Conv1d over the sequence, pads zeroed before and after. Images: a
@@ -80,17 +94,15 @@ class DepthwiseConvBranch(nn.Module):
         nn.init.zeros_(self.conv.weight)
         nn.init.zeros_(self.conv.bias)
 
-    def forward(self, v, key_mask=None, grid=None, num_prefix: int = 0, plus: torch.Tensor | None = None,
-                divide: tuple[float, bool] | None = None):
-        """The branch's output [B, H, N, d], plus ``plus`` (the attention output) if given, in one native pass
-        where ``ops.dwc.depthwise_conv_tokens_plus`` can take it. ``divide`` (eps, clamp): ``plus`` is the
-        output before its division (``ops.linear.linear_attention_unnormalised``)."""
+    def forward(self, v, key_mask=None, grid=None, num_prefix: int = 0, plus: torch.Tensor | None = None):
+        """The branch's output [B, H, N, d], plus ``plus`` (the attention output) if given
+        (``ops.dwc.depthwise_conv_tokens_plus``)."""
         # ops.dwc works in the [..., tokens, d] layout of v, so no channels-first copies (and a faster
         # backward than torch's CPU depthwise conv).
         weight, bias = self.conv.weight.to(v.dtype), self.conv.bias.to(v.dtype)  # as autocast would run the conv
         if self.spatial:  # images bring no key mask; the prefix tokens get no branch
-            return depthwise_conv_tokens_plus(v, weight, bias, plus, None, divide, tuple(grid), num_prefix)
-        return depthwise_conv_tokens_plus(v, weight, bias, plus, key_mask, divide)
+            return depthwise_conv_tokens_plus(v, weight, bias, plus, None, tuple(grid), num_prefix)
+        return depthwise_conv_tokens_plus(v, weight, bias, plus, key_mask)
 
 
 class LinearAttention(nn.Module):
@@ -241,34 +253,64 @@ class LinearAttention(nn.Module):
             return None
         return max(16, self.stream_chunk_bytes // per_token)
 
+    def path(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionPath:
+        """The one place that decides how this call computes its output (docs/deploy.md, *Paths*):
+
+        | path | when |
+        | --- | --- |
+        | SOFTMAX, DISTILL_OUTPUT, DISTILL_ATTENTION | the layer's mode says so (:func:`attention_mode`) |
+        | KERNEL | a kernel method (sorting); its core picks its native pass or its PyTorch one |
+        | WINDOWED | ``window`` > 0 |
+        | MADE_ROWS | no gradient, float32 CPU tensors, maps that make their rows (``FeatureMap.makes_rows``) |
+        | STREAMED | on the CPU, token-wise maps whose stored features would pass ``stream_min_bytes`` |
+        | LINEAR | everything else, every device, dtype and graph (compiled, exported) |
+
+        Inside a path a feature map computes its own features (LUNA: its native channel pass on the CPU in
+        float32 where built, else ``ops.piecewise``), always the same values to float32 rounding.
+        """
+        if self._mode is AttentionMode.SOFTMAX:
+            return AttentionPath.SOFTMAX
+        if self._mode is AttentionMode.DISTILL_OUTPUT:
+            return AttentionPath.DISTILL_OUTPUT
+        if self._mode is AttentionMode.DISTILL_ATTENTION:
+            return AttentionPath.DISTILL_ATTENTION
+        return self.linear_path(q, k, v)
+
+    def linear_path(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionPath:
+        """:meth:`path` outside the softmax modes: how the linear attention itself is computed."""
+        if self.kernel is not None:
+            return AttentionPath.KERNEL
+        if self.window:
+            return AttentionPath.WINDOWED
+        training = self.needs_grad(q, k, v)
+        if (not training and v.dtype == torch.float32 and not torch.is_autocast_enabled(v.device.type)
+                and (self.phi_k or self.phi_q).makes_rows(k) and self.phi_q.makes_rows(q)):
+            return AttentionPath.MADE_ROWS
+        if v.device.type == "cpu" and self.stream_chunk(v.shape[0], v.shape[2], training) is not None:
+            return AttentionPath.STREAMED
+        return AttentionPath.LINEAR
+
     def forward(self, q, k, v, key_mask=None, grid=None, num_prefix: int = 0) -> torch.Tensor:
         """q, k, v: [B, H, N, d]; key_mask: bool [B, N] (True = real). Returns [B, H, N, d]."""
         if torch.jit.is_tracing():
             raise TracingRefused(TRACING_REFUSED)
-        if self._mode is AttentionMode.SOFTMAX:
-            return softmax_attention(q, k, v, self.softmax_scale, key_mask)
         if self._mode is AttentionMode.WINDOW_ONLY and not self.window:
             raise RuntimeError("WINDOW_ONLY needs a layer with a window (method_options.window)")
+        path = self.path(q, k, v)
+        if path is AttentionPath.SOFTMAX:
+            return softmax_attention(q, k, v, self.softmax_scale, key_mask)
         context = AttentionContext(key_mask, v.shape[2], num_prefix, grid)
-        if self._mode is AttentionMode.DISTILL_OUTPUT:
+        if path is AttentionPath.DISTILL_OUTPUT:
             teacher_out = softmax_attention(q, k, v, self.softmax_scale, key_mask)
             student_out = self.linear_output(q, k, v, key_mask, context)
             self._distill_loss = output_distillation_loss(teacher_out.detach(), student_out, key_mask)
             return teacher_out
-        if self._mode is AttentionMode.DISTILL_ATTENTION:
+        if path is AttentionPath.DISTILL_ATTENTION:
             teacher = softmax_attention_weights(q, k, self.softmax_scale, key_mask)
             student = self.attention_weights(q, k, key_mask, context)
             self._distill_loss = attention_distillation_loss(teacher.detach(), student, key_mask, self.eps)
             return torch.einsum("bhnm,bhmd->bhnd", teacher, v.to(teacher.dtype)).to(v.dtype)
-        sums = self.undivided_output(q, k, v, key_mask, context, produced_only=self.dwc is None)
-        if sums is not None:
-            if self.denominator_check is not None:
-                warn_small_denominators(sums[..., -1:], key_mask, self.denominator_check)
-            if self.dwc is None:
-                return divide_by_last_column(sums, self.eps, self.clamp_denominator)
-            # the division done in DWC's pass, as it adds: no [B, H, N, d] pass of its own
-            return self.dwc(v, key_mask, grid, num_prefix, plus=sums, divide=(self.eps, self.clamp_denominator))
-        out = self.linear_output(q, k, v, key_mask, context)
+        out = self.linear_output(q, k, v, key_mask, context, path)
         if self.dwc is not None:
             # Summed into the branch's fresh output (nothing saves it): one [B, H, N, d] buffer fewer.
             out = self.dwc(v, key_mask, grid, num_prefix, plus=out)
@@ -278,61 +320,40 @@ class LinearAttention(nn.Module):
         """Whether this call records a gradient (for ``inputs`` or the method's parameters)."""
         return torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *self.method_parameters()))
 
-    def undivided_output(self, q, k, v, key_mask, context: AttentionContext,
-                         produced_only: bool = False) -> torch.Tensor | None:
-        """[phi(q) S | phi(q) z] (``ops.linear.linear_attention_unnormalised``) where dividing it later gives
-        ``linear_output``'s values: a feature map over the whole sequence at once (no window), float32 on the
-        CPU, no gradients, no autocast; else None. Where the maps offer ``feature_rows`` the features are made
-        inside the products and never stored (at any N: nothing to stream; the same values to the bit where
-        the maker repeats the stored map's float operations and the products sum as before, else to float32
-        rounding, tests/test_produced_rows.py); otherwise (not when ``produced_only``) they are stored, the
-        values to the bit, and None where they would be streamed."""
-        if (self.kernel is not None or self.window or v.dtype != torch.float32 or v.device.type != "cpu"
-                or torch.is_autocast_enabled("cpu") or self.needs_grad(q, k, v)
-                or self.denominator_floor is not None):
-            return None
-        rows = self.feature_rows(q, k, context)
-        if rows is not None:
-            return produced_attention_unnormalised(*rows, v, key_mask)
-        if produced_only or self.stream_chunk(v.shape[0], v.shape[2], training=False) is not None:
-            return None
-        return linear_attention_unnormalised(*self.features(q, k, context), v, key_mask)
-
     def feature_rows(self, q: torch.Tensor, k: torch.Tensor, context: AttentionContext | None = None):
         """(queries', keys') ``FeatureMap.feature_rows``, or None unless the maps offer both."""
-        if not self.phi_q.context_free:  # each side with its own context (a shared map's role)
-            context = AttentionContext(None, q.shape[2]) if context is None else context
-            q_rows = self.phi_q.feature_rows(self.query_input(q), context=context)
-            k_map = self.phi_q if self.phi_k is None else self.phi_k
-            k_rows = None if q_rows is None else k_map.feature_rows(k, context=context.for_role("key"))
-            return None if k_rows is None else (*q_rows, *k_rows)
-        if self.phi_k is None:  # one call: one look-up of a shared map's tables
-            return self.phi_q.feature_rows(self.query_input(q), k)
-        q_rows = self.phi_q.feature_rows(self.query_input(q))
-        k_rows = None if q_rows is None else self.phi_k.feature_rows(k)
+        context = AttentionContext(None, q.shape[2]) if context is None else context
+        q_rows = self.phi_q.feature_rows(self.query_input(q), context=context)
+        k_map = self.phi_q if self.phi_k is None else self.phi_k
+        k_rows = None if q_rows is None else k_map.feature_rows(k, context=context.for_role("key"))
         return None if k_rows is None else (*q_rows, *k_rows)
 
-    def linear_output(self, q, k, v, key_mask, context: AttentionContext) -> torch.Tensor:
-        """The method's attention alone (no DWC branch): [B, H, N, d]."""
-        if self.kernel is not None:
-            out = self.kernel(q, k, v, key_mask, context)
-        elif self.window:  # never streamed: the op needs q and k beside the features, and is linear in N as it is
-            out = windowed_linear_attention(q, k, v, *self.features(q, k, context), self.window_gamma(),
-                                            self.window, self.softmax_scale, key_mask, self.eps, self.clamp_denominator)
-        else:
-            params = self.method_parameters()
-            chunk = self.stream_chunk(v.shape[0], v.shape[2], self.needs_grad(q, k, v)) if v.device.type == "cpu" else None
-            if self.denominator_floor is not None:  # signed kernels, never streamed
-                out = floored_linear_attention(*self.features(q, k, context), v, key_mask, self.eps,
-                                               self.denominator_floor)
-            elif chunk is None:
-                out = linear_attention(*self.features(q, k, context), v, key_mask, self.eps, self.clamp_denominator,
-                                       self.denominator_check)
-            else:
-                out = streamed_linear_attention(q, k, v, self.query_features, self.key_features, params,
-                                                key_mask, self.eps, chunk, q_context=context,
-                                                k_context=context.for_role("key"))
-        return out
+    def linear_output(self, q, k, v, key_mask, context: AttentionContext,
+                      path: AttentionPath | None = None) -> torch.Tensor:
+        """The method's attention alone (no DWC branch), [B, H, N, d], by ``path`` (default:
+        :meth:`linear_path`'s choice)."""
+        path = self.linear_path(q, k, v) if path is None else path
+        if path is AttentionPath.KERNEL:
+            return self.kernel(q, k, v, key_mask, context)
+        if path is AttentionPath.WINDOWED:  # never streamed: the op needs q and k beside the features
+            return windowed_linear_attention(q, k, v, *self.features(q, k, context), self.window_gamma(),
+                                             self.window, self.softmax_scale, key_mask, self.eps,
+                                             self.clamp_denominator)
+        if path is AttentionPath.MADE_ROWS:
+            sums = produced_attention_unnormalised(*self.feature_rows(q, k, context), v, key_mask)
+            if self.denominator_check is not None:
+                warn_small_denominators(sums[..., -1:], key_mask, self.denominator_check)
+            return divide_by_last_column(sums, self.eps, self.clamp_denominator)
+        if path is AttentionPath.STREAMED:
+            chunk = self.stream_chunk(v.shape[0], v.shape[2], self.needs_grad(q, k, v))
+            return streamed_linear_attention(q, k, v, self.query_features, self.key_features,
+                                             self.method_parameters(), key_mask, self.eps, chunk, q_context=context,
+                                             k_context=context.for_role("key"))
+        if self.denominator_floor is not None:  # signed kernels
+            return floored_linear_attention(*self.features(q, k, context), v, key_mask, self.eps,
+                                            self.denominator_floor)
+        return linear_attention(*self.features(q, k, context), v, key_mask, self.eps, self.clamp_denominator,
+                                self.denominator_check)
 
     def attention_weights(self, q, k, key_mask=None, context: AttentionContext | None = None) -> torch.Tensor:
         """The explicit N x N attention matrix (the distillation student; for inspection and plots)."""

@@ -111,6 +111,10 @@ class FeatureMap(MethodCore, abc.ABC):
         something from its parameters first (LUNA's channel tables) does that once for all."""
         return tuple(self(x) for x in xs)
 
+    def makes_rows(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`feature_rows` takes ``x`` now (the layer's MADE_ROWS path): none but Taylor's."""
+        return False
+
     def feature_rows(self, *xs: torch.Tensor,
                      context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
         """The features of each of ``xs`` as ``ops.products.ProducedRows`` (made inside the core's native

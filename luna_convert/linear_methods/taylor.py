@@ -78,11 +78,14 @@ class TaylorFeatureMap(FeatureMap):
         x = x.to(compute)
         return x if self.projection is None else torch.matmul(x, self.projection.to(compute))
 
+    def makes_rows(self, x: torch.Tensor) -> bool:
+        return pair_rows.rows_apply(x, *self.parameters())
+
     def feature_rows(self, *xs: torch.Tensor,
                      context: AttentionContext | None = None) -> tuple[ProducedRows, ...] | None:
         """The features of each of ``xs`` made inside the core's native products, never stored
         (``ops.pair_rows``): at inference, float32 on the CPU, where the library is built."""
-        if not pair_rows.rows_apply(*xs, *self.parameters()):
+        if not all(self.makes_rows(x) for x in xs):
             return None
         d = self.head_dim  # the scales of forward's left rows
         return tuple(pair_rows.pair_feature_rows(self.projected(x), (2 * d)**-0.5, d**-0.5, constant=True,

@@ -194,19 +194,9 @@ def floored_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.
     return out.to(out_dtype)
 
 
-def linear_attention_unnormalised(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
-                                  key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """[phi(q_i)^T S | phi(q_i)^T z], [B, H, N, d + 1] in the accumulation dtype, without gradients: the
-    output before its division, for a pass that divides as it writes (``ops.dwc.depthwise_conv_tokens_plus``).
-    ``divide_by_last_column`` gives ``linear_attention``'s values from it, to the bit."""
-    compute = accumulation_dtype(phi_q, phi_k, v)
-    with torch.no_grad(), torch.autocast(device_type=v.device.type, enabled=False):
-        return _sums_and_products(phi_q.to(compute), phi_k.to(compute), v.to(compute), _keys_kept(key_mask))[-1]
-
-
 def produced_attention_unnormalised(query_rows: products.ProducedRows, key_rows: products.ProducedRows,
                                     v: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear_attention_unnormalised`` of features that the native products make block by block
+    """[phi(q_i)^T S | phi(q_i)^T z], [B, H, N, d + 1], of features that the native products make block by block
     (``products.ProducedRows``: Taylor's), so that neither phi_q nor phi_k is ever in memory: float32 v
     [B, H, N, d] on the CPU, no gradients. Equal to the stored features' output to float32 rounding (the
     native products sum in their own order)."""

@@ -183,6 +183,12 @@ def knot_intervals(u: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
     return grid.rows.index_select(0, grid.index(flat)).view(u.shape)
 
 
+def knot_intervals_reference(u: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
+    """``luna_convert::knot_intervals`` in one PyTorch call (NaN past every knot here, where the operator
+    puts it in the first interval)."""
+    return torch.searchsorted(knots, u.contiguous(), out_int32=True)
+
+
 @knot_intervals.register_fake
 def _knot_intervals_shape(u, knots):
     return u.new_empty(u.shape, dtype=torch.int32)

@@ -12,7 +12,6 @@ from typing import Iterable, Sequence
 from ...errors import LunaConvertError, unknown_name
 from ...fileio import atomic_write_json, atomic_write_text
 from ...linear_methods import METHODS, luna_native, sorting_native
-from ...ops.dwc import native_status as dwc_native_status
 from ...ops.products import native_status as products_native_status
 from ..background_load import background_load as run_background_load
 from ..heap import heap_policy
@@ -36,7 +35,7 @@ def _meta(device, repeats: int, warmup: int, quick: bool) -> dict:
     meta = {"torch": torch.__version__, "python": sys.version.split()[0], "device": str(device),
             "threads": torch.get_num_threads(), "cpu": cpu, "cpu_count": os.cpu_count(), "repeats": repeats,
             "warmup": warmup, "quick": quick, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "luna_native_kernel": luna_native.status(), "dwc_native_pass": dwc_native_status(),
+            "luna_native_kernel": luna_native.status(),
             "sorting_native_pass": sorting_native.status(), "core_native_products": products_native_status(),
             "heap": heap_policy()}
     if device.type == "cuda":
@@ -165,7 +164,6 @@ def _run(output_dir, lengths, methods, dev, layer_repeats, model_repeats, warmup
     t0 = time.perf_counter()
     log(f"attention layers on {dev} ({torch.get_num_threads()} threads): N = {', '.join(map(str, lengths))}; "
         f"methods: {', '.join(methods)}; LUNA's native channel kernel {results['meta']['luna_native_kernel']}, "
-        f"DWC's native pass (no grad) {results['meta']['dwc_native_pass']}, "
         f"the sorting kernel's native passes {results['meta']['sorting_native_pass']}, "
         f"the core's native products {results['meta']['core_native_products']}; "
         f"heap: {results['meta']['heap']}")
