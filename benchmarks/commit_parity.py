@@ -83,15 +83,18 @@ def compare(base: Path, head: Path) -> dict[str, dict[str, float]]:
         old = before[method]
         scale = old["hidden"].abs().max().item()
         hidden = (new["hidden"] - old["hidden"]).abs().max().item() / scale
-        worst = 0.0
+        worst, worst_name = 0.0, None
         for name, grad in new["grads"].items():
             reference = old["grads"].get(name)
             if reference is None or reference.shape != grad.shape:
-                worst = float("inf")
+                worst, worst_name = float("inf"), name
                 continue
-            worst = max(worst, (grad - reference).abs().max().item() / max(reference.abs().max().item(), 1e-30))
+            relative = (grad - reference).abs().max().item() / max(reference.abs().max().item(), 1e-30)
+            if relative > worst:
+                worst, worst_name = relative, name
         inference = (new["inference"] - old["inference"]).abs().max().item() / scale if "inference" in old else None
         table[method] = {"hidden_rel": hidden, "inference_rel": inference, "worst_grad_rel": worst,
+                         "worst_grad_parameter": worst_name,
                          "same_parameters": sorted(new["grads"]) == sorted(old["grads"])}
     return table
 
