@@ -1,5 +1,5 @@
-"""The fast path of LUNA's scalar channel bank (``scalar_channels``; the reference is
-``luna.ScalarChannels.forward``).
+"""LUNA's scalar channel bank evaluated from its knots (``scalar_channels``; the reference is
+``luna.ScalarChannels.forward``, the MLP itself).
 
 This is LUNA's own kernel, not a generic op: it reads the bank's four parameters (w1, b1, w2, b2)
 of a 1 -> hidden -> 1 ReLU MLP, and no other method has that structure.
@@ -22,31 +22,19 @@ active on that interval. The tables are built from the four parameters with
 ordinary differentiable torch ops (a cumulative sum over the sorted knots,
 O(K L)), so autograd carries their gradients back to the parameters.
 
-Per token there is then one interval search per scalar (not per channel: the
-knots of all channels are merged) and one row gather from each of the
-[K + 1, L] slope and intercept tables for all L outputs; nothing of size
-``hidden`` is ever expanded per token. On the CPU the search is a grid of cells
-over x / (1 + |x|) with at most a few comparisons per cell
-(``torch.searchsorted`` costs ~50 ns a scalar there); elsewhere, and in
-compiled code, it is ``torch.searchsorted``.
-The per-token part is a custom autograd function whose backward needs only
-per-interval sums of ``g`` and ``g * u`` (a histogram over the interval index,
-``index_add_``) plus ``g * slope`` for u. It saves u, the int16 interval index
-and its own output (which the linear attention downstream keeps alive anyway),
-never N x M x L x hidden values.
+Per token there is then one interval search per scalar (the knots of all channels are merged) and, per
+channel, one gather of its slope and intercept; nothing of size ``hidden`` is ever expanded per token.
 
-Every step is a handful of whole-tensor ops: no Python loop over tokens,
-projections, channels or knots, so the number of operator calls per call is the
-same at any size (tests/test_compile.py counts them) and ``torch.compile``
-captures it in one graph. Compiled code builds the tables on every call (the
-cache below compares parameter values, a data-dependent branch) and searches
-with ``torch.searchsorted`` (the grid's size depends on the knots' values).
-
-On the CPU in float32, where a C compiler is, ``channel_features_of`` hands the per-token part (and
-LUNA's feature norm) to ``luna_native``: one native call per map over the same tables and the same grid
-(built with the native cell arithmetic). Compiled and exported graphs call it as registered operators
-(below), which take the knots and find the grid themselves. This module's per-token code is then the
-fallback (no compiler, ``LUNA_CONVERT_NATIVE=0``, float64, CUDA, ONNX export) and the native path's reference.
+Two evaluations of the tables, the same values to float32 rounding:
+- the standard-operator path, ``scalar_channels_of`` (``ops.piecewise``: the interval from a grid of the knots
+  through the registered operator ``luna_convert::knot_intervals``, a grid frozen into an exported graph by
+  ``frozen_for_export``, or a branchless binary search; then plain autograd): what runs without a C compiler,
+  with ``LUNA_CONVERT_NATIVE=0``, in float64 and half precision, on GPUs and in exported graphs;
+- on the CPU in float32, where a C compiler is, ``channel_features_of`` hands the per-token part (and LUNA's
+  feature norm) to ``luna_native``: one native call per map over the same tables and its own grid (built with
+  the native cell arithmetic, ``KnotLocator``); compiled graphs call it as the registered operators below.
+  It stays because it is 2.2x faster and half the memory of the standard path (docs/benchmarks.md, *Which
+  native kernels stay*).
 
 Numerics: tables are built in float64, evaluation runs in float32 (float64
 for float64 inputs) with autocast disabled, and the result has the input's
