@@ -5,11 +5,14 @@ Every step is an operator that eager PyTorch, Inductor (CPU and CUDA), torch.exp
 (arithmetic, comparisons, ``index_select``), so one form runs wherever a model runs. Two ways find i, both
 exact for the same knots (the reference, :func:`piecewise_relu_reference`, takes ``torch.searchsorted``):
 
-- :class:`KnotGrid`, built from the knots' values (eager code, or before an export, where the grid becomes
-  constants of the graph): the cell of u in a grid of equal cells (arithmetic), then one comparison with each
-  of the at most ``depth`` distinct knots that cell holds (usually one): 1 + depth gathers per element.
-- :func:`binary_search`, for graphs whose knots are tensors of the graph (compiled training and inference):
-  a branchless search, ceil(log2(K + 1)) gathers and comparisons per element, fused by Inductor.
+- :class:`KnotGrid`, built from the knots' values: the cell of u in a grid of equal cells (arithmetic), then
+  one comparison with each of the at most ``depth`` distinct knots that cell holds (usually one): 1 + depth
+  gathers per element. Eager code and compiled graphs reach it through the registered operator
+  :func:`knot_intervals` (a grid's size depends on the knots' values, which a graph's shapes cannot); an
+  export takes one built before it, as constants of the graph.
+- :func:`binary_search`: a branchless search, ceil(log2(K + 1)) gathers and comparisons per element, with no
+  data-dependent shape, for an exported graph without a grid built before it and for knots that crowd every
+  grid. (Compiled, it ran the layer 2.5x slower than the operator: docs/design-decisions.md.)
 
 The table is ``[R, 2L]``, row r = [slope | intercept] of the L functions on interval r (interval r holds the u
 with knots[r - 1] < u <= knots[r]); gradients reach it through ``index_select``, and u's gradient is the slope.
@@ -144,10 +147,6 @@ class KnotGrid:
     def rows_of(self, table: torch.Tensor) -> torch.Tensor:
         """The grid's table, [cells * (depth + 1), 2L]: ``table``'s rows in the grid's order (differentiable)."""
         return table.index_select(0, self.rows.to(table.device))
-
-    def to(self, device: torch.device) -> "KnotGrid":
-        return KnotGrid(self.squashed, self.low, self.scale, self.cells, self.cell_knots.to(device),
-                        self.rows.to(device))
 
 
 # The grids of recent knot vectors (their bytes -> grid, the latest used last): every layer's bank of a large
