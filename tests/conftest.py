@@ -284,7 +284,7 @@ SLOW_FILES = frozenset({
     "test_fuzz_loaders.py", "test_properties.py", "test_install.py", "test_ci_skips.py", "test_cuda.py",
     # export, compiled graphs, the numerics matrix, the native kernels and their operators
     "test_export.py", "test_compile.py", "test_numerics.py", "test_operators.py", "test_linear_attention.py",
-    "test_kernels.py", "test_luna_native.py", "test_hedgehog_native.py", "test_exp_rows.py",
+    "test_kernels.py", "test_luna_native.py",
     "test_produced_rows.py", "test_token_products.py", "test_method_operators.py", "test_operator_references.py",
     "test_code_size.py", "test_piecewise.py",
 })
