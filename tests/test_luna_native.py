@@ -58,7 +58,7 @@ def values_and_grads(psi: ScalarChannels, u: torch.Tensor, out: torch.Tensor, gr
 ])
 def test_matches_the_mlp_bank_and_its_norm(kernel, init, projections, channels, norm_eps, grid):
     psi = bank(channels, init)
-    assert luna_kernel.knot_locator(psi, native=True).mapping == grid  # both of the kernel's cell maps are exercised
+    assert luna_kernel.knot_locator(psi).mapping == grid  # both of the kernel's cell maps are exercised
     psi64 = bank(channels, init).double()
     u = (torch.randn(2, 3, 37, projections) * 3).requires_grad_()
     u64 = u.detach().double().requires_grad_()

@@ -36,8 +36,8 @@ def test_the_operators_grid_is_the_eager_grid():
     psi = bank(0, 8, "random")
     knots, _ = luna_kernel.piecewise_table(psi)
     rows, (mapping, low, scale, cells, start, kpad) = luna_kernel.operator_grid(knots.float())
-    assert (mapping, low, scale, cells) == luna_kernel.knot_locator(psi, native=True).grid[:4]
-    eager = luna_kernel.knot_locator(psi, native=True).grid
+    assert (mapping, low, scale, cells) == luna_kernel.knot_locator(psi).grid[:4]
+    eager = luna_kernel.knot_locator(psi).grid
     assert torch.equal(start, eager[4]) and torch.equal(kpad, eager[5])
     assert rows.shape == (kpad.isfinite().sum() + 1,)
     assert luna_kernel.operator_grid(knots.float().clone())[1] is luna_kernel.operator_grid(knots.float())[1]

@@ -246,13 +246,13 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 _TABLE_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _build_prepared(psi, compute: torch.dtype, scale: float, device: torch.device, native: bool = False):
-    """The native kernel's ((slope, intercept), (None, locator)) in ``compute`` dtype, its grid built with the
+def _build_prepared(psi, compute: torch.dtype, scale: float, device: torch.device):
+    """The native pass's ((slope, intercept), locator) in ``compute`` dtype, the locator's grid built with the
     native cell arithmetic (``luna_native.native_cells``)."""
     knots, table = _distinct_knots(*channel_table(psi, compute, scale, device))
     channels = table.shape[1] // 2
     tables = table[:, :channels].contiguous(), table[:, channels:].contiguous()
-    return tables, (None, KnotLocator(knots, True, native_cells))
+    return tables, KnotLocator(knots, True, native_cells)
 
 
 def channel_table(psi, compute: torch.dtype, scale: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,10 +262,9 @@ def channel_table(psi, compute: torch.dtype, scale: float, device: torch.device)
     return knots.detach().to(compute), table.to(compute)
 
 
-def knot_locator(psi, native: bool = False) -> KnotLocator:
-    """The float32 CPU locator of the bank ``psi``'s knots (its grid built with the native cell arithmetic
-    when ``native``), as the fast paths build it."""
-    return _build_prepared(psi, torch.float32, 1.0, torch.device("cpu"), True)[1][1]
+def knot_locator(psi) -> KnotLocator:
+    """The float32 CPU locator of the bank ``psi``'s knots, as the native pass builds it."""
+    return _build_prepared(psi, torch.float32, 1.0, torch.device("cpu"))[1]
 
 
 def _distinct_knots(knots: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,7 +290,7 @@ def _distinct_rows(knots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # call. They take the knots and the whole tables, and find the grid themselves (``operator_grid``): its size
 # depends on the knots' values, which a graph's shapes cannot. Eager code calls the passes directly.
 _OPERATOR_GRIDS: dict = {}  # the knots' bytes -> (rows, grid), the latest used last
-_OPERATOR_GRIDS_KEPT = 64  # every layer's bank of a large model (the maker ``luna_rows`` finds them in eager code too)
+_OPERATOR_GRIDS_KEPT = 64  # every layer's bank of a large model
 
 
 def operator_grid(knots: torch.Tensor) -> tuple[torch.Tensor, tuple]:
@@ -414,33 +413,29 @@ projected_channel_features_op.register_autograd(_projected_backward, setup_conte
 def graph_tables(psi, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compiled code's float32 tables (differentiable) and knots, built in the graph on every call:
     (slope, intercept, knots), what the operators above take."""
-    knots, table = piecewise_table(psi, torch.float64, scale)
-    table, channels = table.to(torch.float32), table.shape[1] // 2
-    return table[:, :channels], table[:, channels:], knots.detach().to(torch.float32)
+    knots, table = channel_table(psi, torch.float32, scale, torch.device("cpu"))
+    channels = table.shape[1] // 2
+    return table[:, :channels], table[:, channels:], knots
 
 
-def _prepared(psi, compute: torch.dtype, scale: float, device: torch.device, native: bool = False):
-    """((slope, intercept), (their row sources, locator)) in ``compute`` dtype, from the cache when that is safe."""
-    if torch.compiler.is_compiling():
-        # Built in the graph on every call: the cache's look-up compares parameter values (a
-        # data-dependent branch), and compiled code never runs inside a streamed backward's scope
-        # (``LinearAttention.stream_chunk`` keeps compiled calls off the streamed path).
-        return _build_prepared(psi, compute, scale, device, native)
+def _prepared(psi, compute: torch.dtype, scale: float, device: torch.device):
+    """The native pass's ((slope, intercept), locator) in ``compute`` dtype (eager code; compiled code takes
+    ``graph_tables``), from the cache when that is safe."""
     params = (psi.w1, psi.b1, psi.w2, psi.b2)
     recording = torch.is_grad_enabled() and any(p.requires_grad for p in params)
     if recording:
         scope = current_recompute_scope()
         if scope is None:
-            return _build_prepared(psi, compute, scale, device, native)
+            return _build_prepared(psi, compute, scale, device)
         # inside a streamed backward: one set of tables (and one locator) for all its chunks
-        return scope.shared((TABLES_KEY, id(psi), compute, scale, device, native),
-                            lambda: _build_prepared(psi, compute, scale, device, native))
+        return scope.shared((TABLES_KEY, id(psi), compute, scale, device),
+                            lambda: _build_prepared(psi, compute, scale, device))
     # Comparing the ~1.5k parameter values costs 6 us; building the tables 0.33 ms (defaults, CPU, measured).
-    key = (compute, scale, device, native)
+    key = (compute, scale, device)
     hit = _TABLE_CACHE.get(psi)
     if hit is not None and hit.fits(key, params):
         return hit.prepared
-    prepared = _build_prepared(psi, compute, scale, device, native)
+    prepared = _build_prepared(psi, compute, scale, device)
     _TABLE_CACHE[psi] = _CachedTables(key, params, prepared)
     return prepared
 
@@ -523,7 +518,7 @@ def channel_features_of(psi, *us: torch.Tensor, scale: float = 1.0,
                 tables, eps = graph_tables(psi, float(scale)), -1.0 if norm_eps is None else float(norm_eps)
                 return tuple(channel_features_op(u.to(torch.float32), *tables, eps).to(u.dtype)
                              for u in us)
-            (slope, intercept), (_, locate) = _prepared(psi, compute, float(scale), device, native=True)
+            (slope, intercept), locate = _prepared(psi, compute, float(scale), device)
             if locate.grid is not None:  # else crowded knots: searchsorted, on the PyTorch path
                 return tuple(native_channel_features(u, slope, intercept, locate.grid, norm_eps).to(u.dtype)
                              for u in us)
@@ -545,7 +540,7 @@ def projected_channel_features_of(psi, weight: torch.Tensor, bias: torch.Tensor,
     if torch.compiler.is_compiling():  # the operator, the grid built in the graph
         tables, eps = graph_tables(psi, float(scale)), -1.0 if norm_eps is None else float(norm_eps)
         return tuple(projected_channel_features_op(x, weight.t(), bias, *tables, eps) for x in xs)
-    (slope, intercept), (_, locate) = _prepared(psi, torch.float32, float(scale), device, native=True)
+    (slope, intercept), locate = _prepared(psi, torch.float32, float(scale), device)
     if locate.grid is None:
         return None
     weight_t, bias = weight.t().contiguous(), bias.contiguous()
