@@ -77,7 +77,6 @@ class AttentionPath(enum.Enum):
 
 
 class DepthwiseConvBranch(nn.Module):
-
     """DWC(V): a depthwise conv over tokens shared across heads (FLatten-style).
 
     Text: Conv1d over the sequence, pads zeroed before and after. Images: a
