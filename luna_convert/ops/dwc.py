@@ -23,6 +23,15 @@ def _shift_slices(n: int, s: int) -> tuple[slice, slice] | None:
     return (slice(0, n - s), slice(s, n)) if s >= 0 else (slice(-s, n), slice(0, n + s))
 
 
+def _zero_padded(part: torch.Tensor, dst: tuple, grid: tuple) -> torch.Tensor:
+    """``part`` placed at ``dst`` (a tap's destination, ``_shift_slices`` on each grid axis) of zeros of the
+    grid's shape: one constant pad, out of place."""
+    widths = [0, 0]  # the channel axis, then the grid axes from the last
+    for axis, n in reversed(list(zip(dst[1:-1], grid))):
+        widths += [axis.start, n - axis.stop]
+    return torch.nn.functional.pad(part, widths)
+
+
 class _DepthwiseConv(torch.autograd.Function):
     """Depthwise cross-correlation, zero padding k // 2, over the grid axes of x [..., *grid, C]."""
 
@@ -47,9 +56,13 @@ class _DepthwiseConv(torch.autograd.Function):
     def forward(ctx, x, weight, bias, ndim):
         w, taps, centre = _DepthwiseConv._taps(x, weight, ndim)
         out = x * w[:, centre] if bias is None else torch.addcmul(bias, x, w[:, centre])
+        exporting = torch.compiler.is_exporting()
         for t, dst, src in taps:
             if t != centre and dst is not None:
-                out[dst].addcmul_(x[src], w[:, t])
+                if exporting:  # an exported write into a view copies the whole tensor (slice_scatter)
+                    out = out + _zero_padded(x[src] * w[:, t], dst, x.shape[-1 - ndim:-1])
+                else:
+                    out[dst].addcmul_(x[src], w[:, t])
         ctx.ndim, ctx.has_bias = ndim, bias is not None
         ctx.save_for_backward(x, weight)
         return out

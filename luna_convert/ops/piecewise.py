@@ -2,7 +2,7 @@
 of sorted knots below u, for every element u of a tensor and L functions at once.
 
 Every step is an operator that eager PyTorch, Inductor (CPU and CUDA), torch.export and ONNX Runtime all have
-(arithmetic, comparisons, ``index_select``), so one form runs wherever a model runs. Two ways find i, both
+(arithmetic, comparisons, gathers of single values: :func:`take`), so one form runs wherever a model runs. Two ways find i, both
 exact for the same knots (the reference, :func:`piecewise_relu_reference`, takes ``torch.searchsorted``):
 
 - :class:`KnotGrid`, built from the knots' values: the cell of u in a grid of equal cells (arithmetic), then
@@ -15,7 +15,7 @@ exact for the same knots (the reference, :func:`piecewise_relu_reference`, takes
   grid. (Compiled, it ran the layer 2.5x slower than the operator: docs/design-decisions.md.)
 
 The table is ``[R, 2L]``, row r = [slope | intercept] of the L functions on interval r (interval r holds the u
-with knots[r - 1] < u <= knots[r]); gradients reach it through ``index_select``, and u's gradient is the slope.
+with knots[r - 1] < u <= knots[r]); gradients reach it through the gathers, and u's gradient is the slope.
 """
 
 from __future__ import annotations
@@ -31,16 +31,39 @@ MAX_DEPTH = 4
 MAX_CELLS = 1 << 14
 
 
+def index_dtype() -> torch.dtype:
+    """The dtype of the indices :func:`take` takes: int32 (half the memory) except in an exported graph, whose
+    ``torch.gather`` needs int64."""
+    return torch.int64 if torch.compiler.is_exporting() else torch.int32
+
+
+def take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values[index]`` for a 1-D ``values`` and a 1-D ``index`` (of :func:`index_dtype`).
+
+    ``index_select`` in eager and compiled code (3x faster than ``torch.gather`` in eager PyTorch on a CPU),
+    ``torch.gather`` in an exported graph: ONNX Runtime runs the first as Gather, 9 ns an element, the second
+    as GatherElements, 1.2 ns (one thread, 786k elements; docs/design-decisions.md)."""
+    if torch.compiler.is_exporting():
+        return torch.gather(values, 0, index)
+    return values.index_select(0, index)
+
+
 def piecewise_relu(u: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """relu(slope[index] * u + intercept[index]): u [...], ``index`` the table row of every element (u's shape,
-    int32 or int64), table [R, 2L] -> [..., L]; differentiable in u and the table (plain autograd: a
+    of :func:`index_dtype`), table [R, 2L] -> [..., L]; differentiable in u and the table (plain autograd: a
     hand-written backward saving only u, the index and the output ran 2x slower eager and 5x compiled, one
     thread, 4,096 tokens, for about a third less saved memory)."""
+    return torch.stack(piecewise_relu_channels(u, table, index), -1)
+
+
+def piecewise_relu_channels(u: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> list[torch.Tensor]:
+    """:func:`piecewise_relu` as its L channels, each of u's shape: what a caller that works on one channel at a
+    time (a sum over u's last axis) takes before it stacks them."""
     flat, channels = index.reshape(-1), table.shape[1] // 2
     # channel by channel: gathers of single values, which Inductor vectorises better than rows of 2L
-    return torch.stack([torch.relu(torch.addcmul(table[:, channels + l].index_select(0, flat).view(u.shape),
-                                                 table[:, l].index_select(0, flat).view(u.shape), u))
-                        for l in range(channels)], -1)
+    return [torch.relu(torch.addcmul(take(table[:, channels + l], flat).view(u.shape),
+                                     take(table[:, l], flat).view(u.shape), u))
+            for l in range(channels)]
 
 
 def piecewise_relu_reference(u: torch.Tensor, knots: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -51,27 +74,27 @@ def piecewise_relu_reference(u: torch.Tensor, knots: torch.Tensor, table: torch.
 
 
 def binary_search(u: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
-    """The number of ``knots`` (sorted, [K]) below each element of the 1-D u (int32; NaN -> 0).
+    """The number of ``knots`` (sorted, [K]) below each element of the 1-D u (:func:`index_dtype`; NaN -> 0).
 
     The knots are padded with +inf to 2^s - 1; at step s the search compares u with the knot that halves what
     is left, a gather and a comparison, with no branch and no data-dependent shape.
     """
     steps = knots.numel().bit_length()
     padded = torch.cat([knots, knots.new_full(((1 << steps) - 1 - knots.numel(),), math.inf)])
-    index = torch.zeros(u.shape, dtype=torch.int32, device=u.device)
+    index = torch.zeros(u.shape, dtype=index_dtype(), device=u.device)
     for step in reversed(range(steps)):
         half = 1 << step
-        index = index + (u > padded.index_select(0, index + (half - 1))).to(torch.int32) * half
+        index = index + (u > take(padded, index + (half - 1))).to(index.dtype) * half
     return index
 
 
 def _cells(x: torch.Tensor, squashed: bool, low: float, scale: float, cells: int) -> torch.Tensor:
-    """The grid cell (int32) of every element of x: a monotone map, so a knot in a lower cell than u is below
+    """The grid cell (:func:`index_dtype`) of every element of x: a monotone map, so a knot in a lower cell than u is below
     u. "Squashed" grids take x / (1 + |x|) first (knots spread over many magnitudes: a random init's -b1/w1).
     Knots and inputs take the very same float operations. NaN lands in cell 0 (its features stay NaN)."""
     if squashed:
         x = x / (x.abs().clamp(max=1e30) + 1)  # +-inf -> +-inf, not NaN
-    cell = (x - low).mul_(scale).clamp_(0, cells - 1).to(torch.int32)
+    cell = (x - low).mul_(scale).clamp_(0, cells - 1).to(index_dtype())
     return cell.clamp_(0, cells - 1)  # NaN casts to an arbitrary integer
 
 
@@ -137,11 +160,12 @@ class KnotGrid:
         return KnotGrid(squashed, low, scale, cells, cell_knots, below[n].reshape(-1).to(torch.int32))
 
     def index(self, u: torch.Tensor) -> torch.Tensor:
-        """The table row of every element of the 1-D u (int32): the cell's base row, plus the cell's knots below."""
+        """The table row of every element of the 1-D u (:func:`index_dtype`): the cell's base row, plus the
+        cell's knots below."""
         cell = _cells(u, self.squashed, self.low, self.scale, self.cells)
         index = cell * (self.depth + 1) if self.depth else cell
         for knots in self.cell_knots.unbind(0):
-            index += u > knots.index_select(0, cell)
+            index += u > take(knots, cell)
         return index
 
     def rows_of(self, table: torch.Tensor) -> torch.Tensor:
