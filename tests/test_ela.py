@@ -79,7 +79,7 @@ def test_exp_stabiliser_keeps_large_keys_finite_and_changes_nothing():
 def test_squared_distance_rows_with_zero_kernel_are_finite():
     """||q - k||^2 with q = k = 0 for the only key: every kernel value is exactly 0, so is the output (no 0/0)."""
     layer = layer_for("l2sub")
-    assert layer.clamp_denominator
+    assert layer.divisor.clamp
     zeros = torch.zeros(1, 2, 1, 5, dtype=torch.float64)
     v = torch.randn(1, 2, 1, 5, dtype=torch.float64)
     out = layer(zeros, zeros, v)

@@ -70,7 +70,7 @@ def explicit_attention(layer, q, k, v, mask):
             weights = kernel(head_params(layer, h), q[b, h, real], k[b, h, real])
             den = weights.sum(-1, keepdim=True)
             assert bool((den > 0).all())  # inputs where the signed kernels' eps guard does not engage
-            floor = getattr(layer.phi_q, "denominator_floor", None)
+            floor = layer.divisor.floor
             if floor is not None:  # den at least floor |phi(q_i)| sum_j |phi(k_j)|, |phi(x)|^2 = k(x, x) without rho
                 params = head_params(layer, h)
                 norms = [(kernel(params, x, x).diagonal() / torch.exp((x * x).sum(-1) / (2 * math.sqrt(D)))).sqrt()
@@ -173,8 +173,8 @@ def test_llops_init_sketches_the_exp_matching_polynomial():
 
 def test_flexformer_signed_variants_clamp_and_stay_finite_when_den_is_negative():
     layer = LinearAttention("flexformer", 8, 1, 8**-0.5, dwc=False, variant="stationary", num_frequencies=2)
-    assert layer.clamp_denominator and layer.phi_q.signed_kernel and layer.stream_chunk(1, 10**6) is None
-    assert not LinearAttention("flexformer", 8, 1, 8**-0.5).clamp_denominator  # positive: den + eps
+    assert layer.divisor.clamp and layer.phi_q.signed_features and layer.stream_chunk(1, 10**6) is None
+    assert not LinearAttention("flexformer", 8, 1, 8**-0.5).divisor.clamp  # positive: den + eps
     g = torch.Generator().manual_seed(5)
     q, k, v = (5 * torch.randn(1, 1, 64, 8, generator=g) for _ in range(3))  # 2 frequencies at large norms
     with torch.no_grad():

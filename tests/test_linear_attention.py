@@ -108,7 +108,7 @@ def test_features_are_non_negative(name):
     fm = build_feature_map(name, 8, 2)
     feats = fm(torch.randn(2, 2, 10, 8) * 3)
     assert feats.shape[-1] == fm.feature_dim
-    if fm.signed_kernel:  # ELA's distance kernels: no sign to keep (the layer clamps the denominator)
+    if fm.divisor.clamp:  # ELA's distance kernels: no sign to keep (the layer clamps the denominator)
         assert bool(torch.isfinite(feats).all())
     elif fm.signed_features:  # signed features (Taylor): the kernel itself must stay positive
         assert bool((feats < 0).any()) and bool((feats @ feats.transpose(-1, -2) > 0).all())

@@ -143,7 +143,7 @@ def test_one_converted_layer_equals_rotary_then_the_explicit_kernel_formula(meth
         q, k = rotate(q, theta).float(), rotate(k, theta).float()
         real = inputs["attention_mask"].bool()
         weights = linear_attention_weights(*la.features(q, k, AttentionContext(real, n)), real, la.eps,
-                                           la.clamp_denominator)
+                                           la.divisor.clamp)
         want = attention.Wo((weights @ v).transpose(1, 2).reshape(b, n, HIDDEN))
     # measured: <= 1.4e-7 (float32 vs the float64 rotary)
     torch.testing.assert_close(seen["out"][real], want[real], atol=1e-6, rtol=0)

@@ -161,11 +161,11 @@ def test_half_precision_accumulates_in_float32(name):
         half = [t.bfloat16() for t in (q, k, v)]
         phi_q, phi_k = (f.bfloat16() for f in layer.features(q, k, context))  # as autocast would hand them over
         got = windowed_linear_attention(*half, phi_q, phi_k, layer.window_gamma(), 2, layer.softmax_scale,
-                                        key_mask, layer.eps, layer.clamp_denominator)
+                                        key_mask, layer.eps, layer.divisor.clamp)
     assert got.dtype == torch.bfloat16
     # the sums ran in float32: the same as the float32 op on the same (rounded) inputs, rounded once at the end
     upcast = windowed_linear_attention(*(t.float() for t in (*half, phi_q, phi_k)), layer.window_gamma(), 2,
-                                       layer.softmax_scale, key_mask, layer.eps, layer.clamp_denominator)
+                                       layer.softmax_scale, key_mask, layer.eps, layer.divisor.clamp)
     assert torch.equal(got, upcast.bfloat16())
     torch.testing.assert_close(got.double(), want, atol=0.06, rtol=0.05)  # bf16 inputs: ~3 significant digits
 
@@ -207,7 +207,7 @@ def test_window_zero_leaves_the_layer_as_it_was(name):
     with torch.no_grad():
         features = layer.features(q, k, context)
         out = layer(q, k, v, key_mask)
-        expected = linear_attention(*features, v, key_mask, layer.eps, layer.clamp_denominator)
+        expected = linear_attention(*features, v, key_mask, layer.eps, layer.divisor.clamp)
         if name in ("taylor", "llops", "t2r", "t2r-hh", "elu", "performer", "flexformer"):
             # their layers make the features inside the native products (tests/test_produced_rows.py), which sum
             # in another order than torch.bmm does over Taylor's stored, feature-major features, and whose
@@ -216,7 +216,7 @@ def test_window_zero_leaves_the_layer_as_it_was(name):
         else:
             assert torch.equal(out, expected)
         assert torch.equal(layer.attention_weights(q, k, key_mask, context),
-                           linear_attention_weights(*features, key_mask, layer.eps, layer.clamp_denominator))
+                           linear_attention_weights(*features, key_mask, layer.eps, layer.divisor.clamp))
 
 
 @pytest.mark.parametrize("name", KERNEL_METHODS)

@@ -24,8 +24,8 @@ from ..linear_methods.base import FEATURE_MAP_KIND, AttentionOptions
 from ..linear_methods.registry import get_method
 from ..ops.context import AttentionContext
 from ..ops.dwc import depthwise_conv_tokens_plus
-from ..ops.linear import (divide_by_last_column, floored_linear_attention, linear_attention,
-                          produced_attention_unnormalised, warn_small_denominators)
+from ..ops.linear import (Divisor, divide_by_last_column, divided_linear_attention, produced_attention_unnormalised,
+                          warn_small_denominators)
 from ..ops.reference import (attention_distillation_loss, linear_attention_weights, output_distillation_loss,
                              softmax_attention, softmax_attention_weights, windowed_linear_attention_weights)
 from ..ops.streamed import streamed_linear_attention
@@ -182,19 +182,9 @@ class LinearAttention(nn.Module):
         return (self.kernel if self.phi_q is None else self.phi_q).feature_dim
 
     @property
-    def denominator_check(self) -> str | None:
-        """The method's name where its rows' den tells underflowed features (``FeatureMap.stabilised``), else None."""
-        return self.method if self.phi_q is not None and self.phi_q.stabilised else None
-
-    @property
-    def clamp_denominator(self) -> bool:
-        """Signed features: divide by max(den, eps), as den + eps could still be 0 or negative."""
-        return self.phi_q is not None and self.phi_q.signed_kernel
-
-    @property
-    def denominator_floor(self) -> float | None:
-        """A signed map's floor of the divisor (``FeatureMap.denominator_floor``), or None."""
-        return None if self.phi_q is None or not self.phi_q.signed_kernel else self.phi_q.denominator_floor
+    def divisor(self) -> Divisor:
+        """How each row is divided by its sum: the feature map's ``divisor`` (``ops.linear.Divisor``)."""
+        return Divisor() if self.phi_q is None else self.phi_q.divisor
 
     @property
     def uses_patch_layout(self) -> bool:
@@ -238,7 +228,7 @@ class LinearAttention(nn.Module):
     def stream_chunk(self, batch: int, tokens: int, training: bool = True) -> int | None:
         """Tokens per chunk for the streamed path, or None when all features fit comfortably at once
         (or, when gradients are needed, the map prefers to keep its own saved state)."""
-        if self.phi_q is None or not self.phi_q.token_wise or self.phi_q.signed_kernel:
+        if self.phi_q is None or not self.phi_q.token_wise or self.divisor.clamp:
             return None
         if torch.compiler.is_compiling():
             # The streamed path is a memory measure for eager CPU code (chunk loops, a custom backward
@@ -336,23 +326,19 @@ class LinearAttention(nn.Module):
             return self.kernel(q, k, v, key_mask, context)
         if path is AttentionPath.WINDOWED:  # never streamed: the op needs q and k beside the features
             return windowed_linear_attention(q, k, v, *self.features(q, k, context), self.window_gamma(),
-                                             self.window, self.softmax_scale, key_mask, self.eps,
-                                             self.clamp_denominator)
+                                             self.window, self.softmax_scale, key_mask, self.eps, self.divisor.clamp)
         if path is AttentionPath.MADE_ROWS:
             sums = produced_attention_unnormalised(*self.feature_rows(q, k, context), v, key_mask)
-            if self.denominator_check is not None:
-                warn_small_denominators(sums[..., -1:], key_mask, self.denominator_check)
-            return divide_by_last_column(sums, self.eps, self.clamp_denominator)
+            if self.divisor.check:
+                warn_small_denominators(sums[..., -1:], key_mask, self.method)
+            return divide_by_last_column(sums, self.eps, self.divisor.clamp)
         if path is AttentionPath.STREAMED:
             chunk = self.stream_chunk(v.shape[0], v.shape[2], self.needs_grad(q, k, v))
             return streamed_linear_attention(q, k, v, self.query_features, self.key_features,
                                              self.method_parameters(), key_mask, self.eps, chunk, q_context=context,
                                              k_context=context.for_role("key"))
-        if self.denominator_floor is not None:  # signed kernels
-            return floored_linear_attention(*self.features(q, k, context), v, key_mask, self.eps,
-                                            self.denominator_floor)
-        return linear_attention(*self.features(q, k, context), v, key_mask, self.eps, self.clamp_denominator,
-                                self.denominator_check)
+        return divided_linear_attention(*self.features(q, k, context), v, key_mask, self.eps, self.divisor,
+                                        self.method)
 
     def attention_weights(self, q, k, key_mask=None, context: AttentionContext | None = None) -> torch.Tensor:
         """The explicit N x N attention matrix (the distillation student; for inspection and plots)."""
@@ -363,9 +349,9 @@ class LinearAttention(nn.Module):
         if self.window:
             return windowed_linear_attention_weights(q, k, *self.features(q, k, context), self.window_gamma(),
                                                      self.window, self.softmax_scale, key_mask, self.eps,
-                                                     self.clamp_denominator)
-        return linear_attention_weights(*self.features(q, k, context), key_mask, self.eps, self.clamp_denominator,
-                                        self.denominator_floor)
+                                                     self.divisor.clamp)
+        return linear_attention_weights(*self.features(q, k, context), key_mask, self.eps, self.divisor.clamp,
+                                        self.divisor.floor)
 
     def window_gamma(self) -> torch.Tensor:
         """gamma_h = exp(window_mix_h), [H]: the weight of the linear part beyond the window (0 in WINDOW_ONLY)."""

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..ops.context import AttentionContext
+from ..ops.linear import Divisor
 from ..ops.products import ProducedRows
 # the torch-free parts, here too for the method files: options, their checks, the kinds, the registry entry
 from .options import (FEATURE_MAP_KIND, KERNEL_KIND, AttentionOptions, check_choice, check_int,  # noqa: F401
@@ -74,14 +75,9 @@ class FeatureMap(MethodCore, abc.ABC):
                       too unless this is False
       signed_features features may be negative (Taylor, ELA's distance kernels); tests then check the
                       kernel phi(q).phi(k) instead of the features
-      signed_kernel   the kernel itself may be <= 0, so a row's sum phi(q)^T z may be too: the layer
-                      divides by max(phi(q)^T z, eps) instead of adding eps (never streamed)
-      denominator_floor  with a signed kernel, a number f (or None): the layer divides by
-                      max(phi(q)^T z, f |phi(q)| sum_j |phi(k_j)|) (``ops.linear.floored_linear_attention``),
-                      a floor on the scale of the row's own terms, so a row never divides by ~0
-      stabilised      the features are exps shifted by stabilisers that cancel in the normalisation (Performer,
-                      Flexformer's positive variant, ELA's exp): rows whose den is that of underflowed features
-                      are warned about (``ops.linear.warn_small_denominators``)
+      divisor         how each row is divided by its sum phi(q)^T z (``ops.linear.Divisor``): plain (+ eps);
+                      clamped for a signed kernel, whose sums may be <= 0 (never streamed), with a floor
+                      on the scale of the row's own terms; checked for underflow under stabilised exps
       context_free    the map never reads its context (nor the role): a token's features depend on
                       its own vector alone, so a shared map can take queries and keys in one call (``each``)
     """
@@ -92,9 +88,7 @@ class FeatureMap(MethodCore, abc.ABC):
     token_wise: bool = True
     stream_when_training: bool = True
     signed_features: bool = False
-    signed_kernel: bool = False
-    denominator_floor: float | None = None
-    stabilised: bool = False
+    divisor: Divisor = Divisor()
     context_free: bool = False
 
     @property

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
+from ..ops.linear import Divisor
 from .base import FeatureMap, Method
 from .ela_options import KERNELS, ELAOptions  # noqa: F401 (KERNELS: read here too)
 from .registry import register
@@ -34,8 +35,8 @@ class ELAFeatureMap(FeatureMap):
     def __init__(self, head_dim: int, num_heads: int, options: ELAOptions | None = None, **overrides):
         super().__init__(head_dim, num_heads, options, **overrides)
         # the distance kernels' features and kernel values may be negative
-        self.signed_features = self.signed_kernel = self.options.kernel != "exp"
-        self.stabilised = self.options.kernel == "exp"
+        self.signed_features = self.options.kernel != "exp"
+        self.divisor = Divisor.signed() if self.signed_features else Divisor(check=True)
         # exp: a learnable temperature per head, init 1 (no 1/sqrt(d): the paper's code uses raw q, k)
         self.log_temperature = nn.Parameter(torch.zeros(num_heads, 1, 1)) if self.options.kernel == "exp" else None
 

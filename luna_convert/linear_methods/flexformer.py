@@ -32,6 +32,7 @@ from torch import nn
 
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
+from ..ops.linear import Divisor
 from .base import FeatureMap, Method
 from .performer import orthogonal_random_features, positive_random_features
 from .flexformer_options import FlexformerOptions
@@ -52,8 +53,7 @@ class FlexformerFeatureMap(FeatureMap):
     def __init__(self, head_dim: int, num_heads: int, options: FlexformerOptions | None = None, **overrides):
         super().__init__(head_dim, num_heads, options, **overrides)
         variant = self.options.variant
-        self.signed_features = self.signed_kernel = variant != "positive"
-        self.stabilised = variant == "positive"
+        self.signed_features = variant != "positive"
         m = self.options.num_frequencies or (64 if variant == "positive" else 32)
         generator = torch.Generator().manual_seed(self.options.seed)
         omega = gaussian_frequencies(num_heads, m, head_dim, generator)
@@ -64,7 +64,8 @@ class FlexformerFeatureMap(FeatureMap):
         else:
             self.second_frequencies = None
         # |phi| <= 1 for both signed maps, and their estimate of a kernel value is noisy at about m^(-1/2)
-        self.denominator_floor = self.options.den_floor * m**-0.5 if self.signed_kernel else None
+        self.divisor = Divisor.signed(self.options.den_floor * m**-0.5) if self.signed_features else \
+            Divisor(check=True)
 
     @property
     def feature_dim(self) -> int:

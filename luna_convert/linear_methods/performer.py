@@ -20,6 +20,7 @@ import torch
 
 from ..ops.context import AttentionContext
 from ..ops.dtypes import accumulation_dtype
+from ..ops.linear import Divisor
 from .base import FeatureMap, Method
 from .performer_options import PerformerOptions
 from .registry import register
@@ -50,7 +51,7 @@ class PerformerFeatureMap(FeatureMap):
 
     options_class = PerformerOptions
     token_wise = False  # the key stabiliser is a max over all real keys of the example
-    stabilised = True
+    divisor = Divisor(check=True)
 
     def __init__(self, head_dim: int, num_heads: int, options: PerformerOptions | None = None, **overrides):
         super().__init__(head_dim, num_heads, options, **overrides)

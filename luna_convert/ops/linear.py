@@ -9,12 +9,33 @@ over [N, d] tensors, contiguous gradients, the key mask folded into the products
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 from . import products
 from .dtypes import accumulation_dtype
 from .reference import EPS
+
+
+@dataclass(frozen=True)
+class Divisor:
+    """How each row is divided by its sum d_i = phi(q_i)^T z: a feature map says (``FeatureMap.divisor``), the
+    functions here apply it.
+
+    ``clamp``: by max(d_i, eps), not d_i + eps: a signed kernel's d_i may be 0 or negative (such rows are never
+    streamed). ``floor`` f (with clamp): by max(d_i, f |phi(q_i)| sum_j |phi(k_j)|, eps)
+    (:func:`floored_linear_attention`). ``check``: the features are exps under stabilisers that cancel in the
+    division; rows whose d_i is that of underflowed features are warned about (:func:`warn_small_denominators`).
+    """
+
+    clamp: bool = False
+    floor: float | None = None
+    check: bool = False
+
+    @staticmethod
+    def signed(floor: float | None = None) -> "Divisor":
+        return Divisor(clamp=True, floor=floor)
 
 
 def _sums_and_products(phi_q, phi_k, v, keep):
@@ -160,7 +181,8 @@ def linear_attention(
     clamp: bool = False, check: str | None = None,
 ) -> torch.Tensor:
     """out_i = phi(q_i)^T S / (phi(q_i)^T z + eps), S = sum_j phi(k_j) v_j^T, z = sum_j phi(k_j)
-    (``clamp``: divided by max(phi(q_i)^T z, eps) instead, for signed features).
+    (``clamp``: divided by max(phi(q_i)^T z, eps) instead, for signed features; ``check``: a method's name,
+    :func:`linear_attention_core`'s). :func:`divided_linear_attention` takes a map's :class:`Divisor`.
 
     Pads are removed from the sums (as zeroing phi(k) would; not k or v alone: phi(0) need not be 0).
     Sums and the division run in fp32 even under autocast, so bf16/fp16
@@ -172,6 +194,14 @@ def linear_attention(
         phi_q, phi_k, v = phi_q.to(compute), phi_k.to(compute), v.to(compute)
         out = linear_attention_core(phi_q, phi_k, v, eps, clamp, _keys_kept(key_mask), check)
     return out.to(out_dtype)
+
+
+def divided_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                              key_mask: torch.Tensor | None, eps: float, divisor: Divisor, name: str) -> torch.Tensor:
+    """Linear attention with each row divided as ``divisor`` says (``name``: the method, for its warnings)."""
+    if divisor.floor is not None:
+        return floored_linear_attention(phi_q, phi_k, v, key_mask, eps, divisor.floor)
+    return linear_attention(phi_q, phi_k, v, key_mask, eps, divisor.clamp, name if divisor.check else None)
 
 
 def floored_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
