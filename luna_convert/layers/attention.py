@@ -24,8 +24,7 @@ from ..linear_methods.base import FEATURE_MAP_KIND, AttentionOptions
 from ..linear_methods.registry import get_method
 from ..ops.context import AttentionContext
 from ..ops.dwc import depthwise_conv_tokens_plus
-from ..ops.linear import (Divisor, divide_by_last_column, divided_linear_attention, produced_attention_unnormalised,
-                          warn_small_denominators)
+from ..ops.linear import Divisor, divided_linear_attention, divided_sums, produced_attention_unnormalised
 from ..ops.reference import (attention_distillation_loss, linear_attention_weights, output_distillation_loss,
                              softmax_attention, softmax_attention_weights, windowed_linear_attention_weights)
 from ..ops.streamed import streamed_linear_attention
@@ -329,9 +328,7 @@ class LinearAttention(nn.Module):
                                              self.window, self.softmax_scale, key_mask, self.eps, self.divisor.clamp)
         if path is AttentionPath.MADE_ROWS:
             sums = produced_attention_unnormalised(*self.feature_rows(q, k, context), v, key_mask)
-            if self.divisor.check:
-                warn_small_denominators(sums[..., -1:], key_mask, self.method)
-            return divide_by_last_column(sums, self.eps, self.divisor.clamp)
+            return divided_sums(sums, key_mask, self.eps, self.divisor, self.method)
         if path is AttentionPath.STREAMED:
             chunk = self.stream_chunk(v.shape[0], v.shape[2], self.needs_grad(q, k, v))
             return streamed_linear_attention(q, k, v, self.query_features, self.key_features,

@@ -237,6 +237,15 @@ def produced_attention_unnormalised(query_rows: products.ProducedRows, key_rows:
     return products.produced_product(query_rows, kvz)
 
 
+def divided_sums(num_den: torch.Tensor, key_mask: torch.Tensor | None, eps: float, divisor: Divisor,
+                 name: str) -> torch.Tensor:
+    """[phi_q S | phi_q z] divided as ``divisor`` says, as :func:`divided_linear_attention` divides (no floor:
+    the floor needs the features, and maps that make their rows have none)."""
+    if divisor.check:
+        warn_small_denominators(num_den[..., -1:], key_mask, name)
+    return divide_by_last_column(num_den, eps, divisor.clamp)
+
+
 def divide_by_last_column(num_den: torch.Tensor, eps: float = EPS, clamp: bool = False) -> torch.Tensor:
     """x[..., :d] / (x[..., d] + eps) (``clamp``: / max(x[..., d], eps)) for x = num_den [..., d + 1], computed as
     the core computes it (a reciprocal, then a product)."""
