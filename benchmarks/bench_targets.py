@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from luna_convert.tools.bench.layers import LUNA_CORE, SLOPE_RANGE, SOFTMAX, SOFTMAX_EAGER
+from luna_convert.tools.bench.layers import LUNA_DWC, SLOPE_RANGE, SOFTMAX, SOFTMAX_EAGER
 from luna_convert.tools.bench.long_models import LONG_VARIANTS
 from luna_convert.tools.bench.timing import loglog_slope
 
@@ -34,8 +34,8 @@ def evaluate(results: dict) -> list[dict]:
     if layers:
         by = {(r["method"], r["n"]): r for r in layers["results"]}
         lengths = sorted({r["n"] for r in layers["results"]})
-        for variant in ("luna", LUNA_CORE):
-            label = "LUNA layer" if variant == "luna" else "LUNA layer without DWC"
+        for variant in ("luna", LUNA_DWC):
+            label = "LUNA layer" if variant == "luna" else "LUNA layer with DWC"
             for n, need in ((4096, 5.0), (16384, 20.0)):
                 r = by.get((variant, n))
                 add(f"{label}: forward speed-up vs softmax (SDPA) at N={n}", r and r.get("fwd_speedup_vs_softmax"), ">=", need)

@@ -22,7 +22,7 @@ import torch
 from luna_convert.tools.bench import layer_modules
 
 torch.set_num_threads(1)
-METHODS = ("t2r", "hedgehog", "luna-nodwc")
+METHODS = ("t2r", "hedgehog", "luna")
 
 
 def measure(fn, repeats: int = 3) -> tuple[float, int]:

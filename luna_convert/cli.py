@@ -539,7 +539,7 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="Few lengths and repeats (a smoke run)."),
     lengths: Optional[str] = typer.Option(None, "--lengths", help="Comma-separated sequence lengths."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated methods (default: all, "
-                                          "plus luna-nodwc); a method with options as METHOD:NAME=VALUE, "
+                                          "plus luna:dwc=true); a method with options as METHOD:NAME=VALUE, "
                                           "e.g. hedgehog:window=64."),
     no_models: bool = typer.Option(False, "--no-models", help="Attention layers only, skip whole models."),
     repeats: Optional[int] = typer.Option(None, "--repeats", min=1, help="Timed runs per measurement (median)."),

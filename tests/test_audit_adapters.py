@@ -50,7 +50,7 @@ SIZES = [((IMAGE, IMAGE), (4, 4)), ((IMAGE, 48), (4, 6)), ((40, 40), (5, 5)), ((
 
 
 def check_true_grid(model, run, size, grid, prefix: int) -> None:
-    convert(model, "luna")
+    convert(model, "luna", dwc=True)
     randomize_dwc(model)
     calls = record_dwc_calls(model)
     with torch.no_grad():
@@ -91,7 +91,7 @@ def test_dwc_grid_survives_copy_and_reload(tmp_path):
     import luna_convert
 
     model = make_timm_vit(dynamic_img_size=True)
-    convert(model, "luna")
+    convert(model, "luna", dwc=True)
     twin = copy.deepcopy(model)
     luna_convert.save(model, tmp_path / "saved")
     for other in (twin, luna_convert.load(tmp_path / "saved")):
@@ -185,14 +185,14 @@ def test_vision_model_without_a_patch_embedding_conv_refuses_dwc_only():
     model = make_timm_vit()
     model.patch_embed.proj = nn.Identity()  # e.g. patches cut by a custom layer
     with pytest.raises(ConversionError, match="cannot find the patch-embedding convolution.*dwc=False"):
-        convert(model, "luna")
+        convert(model, "luna", dwc=True)
     assert not is_converted(model)
-    convert(model, "luna", dwc=False)  # no DWC, no grid needed
+    convert(model, "luna")  # no DWC (the default), no grid needed
     assert is_converted(model)
 
 
 def test_dwc_refuses_inputs_with_dropped_patches():
     model = make_timm_vit(patch_drop_rate=0.5).train()
-    convert(model, "luna")
+    convert(model, "luna", dwc=True)
     with pytest.raises(ValueError, match=r"cannot hold the 4x4 patch grid"):
         model(torch.randn(2, 3, IMAGE, IMAGE))

@@ -91,12 +91,12 @@ def test_bench_cli_options(tmp_path):
 
     out = tmp_path / "b"
     result = CliRunner().invoke(app, ["bench", "--output-dir", str(out), "--quick", "--no-models", "--lengths", "16,32",
-                                      "--methods", "t2r,luna-nodwc,hedgehog:window=4", "--repeats", "2",
+                                      "--methods", "t2r,luna:dwc=true,hedgehog:window=4", "--repeats", "2",
                                       "--timer", "cpu"])
     assert result.exit_code == 0, result.output
     data = json.loads((out / "bench.json").read_text())
     assert data["meta"]["timer"] == "thread CPU time" and data["meta"]["threads"] == 1
-    assert {r["method"] for r in data["layers"]["results"]} == {"softmax", "softmax-eager", "t2r", "luna-nodwc",
+    assert {r["method"] for r in data["layers"]["results"]} == {"softmax", "softmax-eager", "t2r", "luna:dwc=true",
                                                                 "hedgehog:window=4"}
     assert all(len(r["fwd_runs_ms"]) == 2 for r in data["layers"]["results"])
 

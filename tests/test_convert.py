@@ -179,7 +179,7 @@ def test_output_attentions_still_runs(arch):
 # --------------------------------------------------------- DWC grid and prefix
 @pytest.mark.parametrize("arch, prefix", [("hf-vit", 1), ("timm-vit", 1), ("timm-vit-reg", 3), ("hf-bert", None)])
 def test_dwc_gets_patch_grid_and_prefix_tokens(arch, prefix, monkeypatch):
-    _, model, _ = converted(arch, "luna")
+    _, model, _ = converted(arch, "luna", dwc=True)
     calls = []
     for la in linear_attention_modules(model):
         assert la.dwc is not None and la.dwc.spatial == (prefix is not None)
@@ -194,7 +194,7 @@ def test_dwc_gets_patch_grid_and_prefix_tokens(arch, prefix, monkeypatch):
 
 
 def test_timm_prefix_tokens_get_no_dwc():
-    _, model, _ = converted("timm-vit-reg", "luna")
+    _, model, _ = converted("timm-vit-reg", "luna", dwc=True)
     randomize_dwc(model)
     attn = model.blocks[0].attn
     la = attn.linear_attn

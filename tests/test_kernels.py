@@ -352,7 +352,7 @@ def test_streamed_backward_table_scope_is_per_thread():
     import threading
 
     torch.manual_seed(0)
-    layer = LinearAttention("luna", 8, 2, 8**-0.5, dwc=False, **PAPER_OPTIONS).train()  # the attention alone
+    layer = LinearAttention("luna", 8, 2, 8**-0.5, **{**PAPER_OPTIONS, "dwc": False}).train()  # the attention alone
     params = list(layer.parameters())
     q, k, v = (torch.randn(1, 2, 20, 8) for _ in range(3))
     b_inside, b_release, a_inside = threading.Event(), threading.Event(), threading.Event()

@@ -20,7 +20,7 @@ from builders import config_for, write_bert_checkpoint, write_sst2
 
 def test_lora_trains_adapters_head_and_what_conversion_added_then_merges_exactly():
     model = make_bert()
-    convert(model, "luna")
+    convert(model, "luna", dwc=True)
     assert head_module_names(model) == ["dropout", "classifier"]
     summary = add_lora(model, rank=2)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}

@@ -453,7 +453,7 @@ def test_channel_lr_scale_gives_luna_channel_functions_their_own_rate_in_both_st
     from luna_convert.engine.training import scaled_groups
 
     model = make_bert()
-    convert(model, "luna")  # the default: 0.1
+    convert(model, "luna", dwc=True)  # the default rate: 0.1; DWC for its own rate below
     channel = {id(p) for n, p in model.named_parameters() if ".psi." in n}
     assert channel
     layers = linear_attention_modules(model)

@@ -133,7 +133,7 @@ CHANNEL_BANKS = dict(zip(CHANNEL_BANK_NAMES, (ScalarChannels, FixedFourierChanne
 # The paper's form (Eq. 11, Listing 1) in these options: `convert(model, "luna", **PAPER_OPTIONS)`.
 PAPER_OPTIONS = MappingProxyType({"projections": 8, "channels": 8, "per_head_projections": False,
                                   "projection_init": "random", "channel_init": "random", "feature_norm": "none",
-                                  "channel_lr_scale": 1.0, "separate_key_map": False})
+                                  "channel_lr_scale": 1.0, "separate_key_map": False, "dwc": True})
 
 
 class LunaFeatureMap(FeatureMap):

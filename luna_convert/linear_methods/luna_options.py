@@ -30,7 +30,6 @@ def check_fourier_channels(channels: int) -> None:
 
 @dataclass
 class LunaOptions(AttentionOptions):
-    dwc: bool = option(True, "depthwise-conv branch on V (part of the paper's setup; its form is derived)")
     projections: int | None = option(None, "M, learned projections w_i^T x + b_i per token; null: head_dim "
                                      "(the conversion default; the paper uses 8)")
     channels: int = option(2, "L, scalar channel functions per projection; D = M x L (conversion default 2, "
@@ -59,9 +58,9 @@ class LunaOptions(AttentionOptions):
                                      "projections' (Adam moves every knot parameter by about lr per step, "
                                      "which at the full rate unshapes the exp init; 1: one rate)")
 
-    # Folders saved before these options existed were converted with the paper's form.
+    # Folders saved before these options existed were converted with the paper's form (DWC on).
     saved_before: ClassVar[Mapping[str, Any]] = MappingProxyType({
-        "channel_init": "random", "per_head_projections": False, "projection_init": "random",
+        "dwc": True, "channel_init": "random", "per_head_projections": False, "projection_init": "random",
         "exp_rate": 0.5, "feature_norm": "none", "channel_lr_scale": 1.0, "exp_span": EXP_INIT_SPAN,
         "separate_key_map": False})
 

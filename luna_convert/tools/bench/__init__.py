@@ -7,8 +7,8 @@ One entry point, :func:`run_benchmark`. It measures
    the N x N matrix (``softmax-eager``, short lengths only, a memory reference)
    and every method in ``luna_convert.METHODS`` as a
    :class:`~luna_convert.layers.attention.LinearAttention` built with the method's
-   feature map and defaults (plus ``luna-nodwc``, LUNA's feature maps and
-   linear attention without the DWC branch). For each
+   feature map and defaults (plus ``luna:dwc=true``, LUNA with
+   the DWC branch it leaves off by default). For each
    sequence length: forward time (no grad), forward+backward time (q, k, v and
    the layer's parameters get gradients), the peak tensor memory of each, and the
    aten operator calls of one forward (``tools.op_count``: what sets the time of

@@ -17,7 +17,7 @@ QUICK_LENGTHS = (128, 256)
 HEADS, HEAD_DIM, BATCH = 12, 64, 1
 SOFTMAX = "softmax"  # torch scaled_dot_product_attention (flash kernel where available)
 SOFTMAX_EAGER = "softmax-eager"  # explicit N x N softmax, a reference for memory
-LUNA_CORE = "luna-nodwc"  # LUNA feature maps + linear attention, without the DWC branch
+LUNA_DWC = "luna:dwc=true"  # LUNA with the paper's DWC branch (off by default), to show what it costs
 SLOPE_RANGE = (1024, 16384)
 OPTION_SEPARATOR = ":"  # hedgehog:window=64 is Hedgehog's layer with method option window = 64
 BENCH_DTYPES = {"float32": "float32", "bf16": "bfloat16"}  # --dtype -> torch dtype name
@@ -32,14 +32,12 @@ def _eager_softmax(q, k, v):
 
 
 def layer_variant(name: str) -> tuple[str, AttentionOptions]:
-    """A bench layer name -> (method, its options object, validated once): a method, ``luna-nodwc`` (LUNA without DWC), or a method
+    """A bench layer name -> (method, its options object, validated once): a method, or a method
     with options, ``METHOD:NAME=VALUE[:NAME=VALUE]`` (``hedgehog:window=64``); values read as ``--set`` reads
     them. An unknown method or option, or a bad value, is a LunaConvertError."""
-    if name == LUNA_CORE:
-        return "luna", resolve_options("luna", {"dwc": False})
     method, *pairs = name.split(OPTION_SEPARATOR)
     if method not in METHODS:
-        raise unknown_name("method", method, [*METHODS, LUNA_CORE])
+        raise unknown_name("method", method, METHODS)
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")

@@ -15,7 +15,7 @@ from ...linear_methods import METHODS, luna_native, sorting_native
 from ...ops.products import native_status as products_native_status
 from ..background_load import background_load as run_background_load
 from ..heap import heap_policy
-from .layers import (BENCH_DTYPES, DEFAULT_LENGTHS, LUNA_CORE, QUICK_LENGTHS, SOFTMAX, SOFTMAX_EAGER, bench_layers,
+from .layers import (BENCH_DTYPES, DEFAULT_LENGTHS, LUNA_DWC, QUICK_LENGTHS, SOFTMAX, SOFTMAX_EAGER, bench_layers,
                      layer_variant)
 from .long_models import bench_long_models
 from .models import bench_models
@@ -74,7 +74,7 @@ def run_benchmark(
                   (plots); created if missing.
     lengths       sequence lengths for the layer benchmark (None: the default 256..16384, or 128, 256 if quick).
     methods       linear methods to compare with softmax (None: every method in ``luna_convert.METHODS``
-                  plus ``luna-nodwc``, LUNA without its DWC branch). Softmax (SDPA) is always included,
+                  plus ``luna:dwc=true``, LUNA with the DWC branch). Softmax (SDPA) is always included,
                   and ``softmax-eager`` (explicit N x N attention) for N <= ``eager_max_length``.
     repeats       timed runs per measurement, median reported (None: 5 for layers/3 for models; 1 if quick).
     models        also run the whole-model benchmark (ViT-B/16, BERT-base inference, BERT-base train step).
@@ -117,7 +117,7 @@ def run_benchmark(
     if not lengths or min(lengths) < 1:
         raise LunaConvertError(f"lengths must be positive integers, got {lengths}")
     if methods is None:
-        methods = [*METHODS, LUNA_CORE]
+        methods = [*METHODS, LUNA_DWC]
     linear = list(dict.fromkeys(m for m in methods if m not in (SOFTMAX, SOFTMAX_EAGER)))
     for name in linear:  # an unknown method or option fails before anything is timed
         layer_variant(name)
