@@ -198,6 +198,28 @@ def test_feature_map_fast_equals_reference(envelope, shared):
         torch.testing.assert_close(p, q, rtol=0, atol=5e-5)  # measured 1.1e-5 (gradients up to 36)
 
 
+def test_eager_inference_chunks_equal_the_mlp_and_the_recorded_path():
+    """Without gradients, eager CPU code takes the tokens in chunks (``luna_kernel.EAGER_CHUNK_VALUES``): the
+    same features as the MLP itself and as the path that records gradients, across chunk boundaries."""
+    from luna_convert.linear_methods.luna_kernel import EAGER_CHUNK_VALUES
+
+    torch.manual_seed(0)
+    fast = LunaFeatureMap(64, 2)  # the conversion defaults: exp channels, the channel norm
+    slow = LunaFeatureMap(64, 2, fast=False)
+    with torch.no_grad():
+        for p in fast.psi.parameters():  # channels away from their init, kinks everywhere
+            p.add_(0.05 * torch.randn_like(p))
+    slow.load_state_dict(fast.state_dict())
+    x = 2 * torch.randn(1, 2, EAGER_CHUNK_VALUES // 64 + 37, 64)  # two chunks, the second partial
+    with native.reference_kernels():
+        recorded = fast(x)
+        with torch.no_grad():
+            chunked, reference = fast(x), slow(x)
+    assert recorded.requires_grad and not chunked.requires_grad
+    torch.testing.assert_close(chunked, reference, rtol=0, atol=5e-7)
+    torch.testing.assert_close(chunked, recorded.detach(), rtol=0, atol=1e-7)
+
+
 def test_linear_attention_matches_explicit_form_and_gives_contiguous_feature_grads():
     torch.manual_seed(0)
     phi_q = torch.rand(2, 3, 40, 16, requires_grad=True)

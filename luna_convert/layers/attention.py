@@ -153,7 +153,11 @@ class LinearAttention(nn.Module):
         # docs/benchmarks.md). Same values and gradients. Chunks of 16 MiB stay under that threshold
         # and cost a quarter of 4 MiB's operator calls: with another job on the machine they were
         # 14-27 % faster in 5 of 6 cases, on an idle core the same (benchmarks/stream_chunk.py).
+        # Without gradients the layer streams from inference_stream_bytes on, in chunks of that size (at most
+        # the two above): LUNA's standard-operator layer at 4,096 tokens, forward, 155 -> 135 ms, no method
+        # slower (benchmarks/native_kernels.py, docs/benchmarks.md).
         self.stream_min_bytes, self.stream_chunk_bytes = 32 << 20, 16 << 20
+        self.inference_stream_bytes = 4 << 20
         self._distill_loss: torch.Tensor | None = None
 
     @property
@@ -236,10 +240,14 @@ class LinearAttention(nn.Module):
             return None
         if training and not self.phi_q.stream_when_training:
             return None
+        min_bytes, chunk_bytes = self.stream_min_bytes, self.stream_chunk_bytes
+        if not training:
+            min_bytes, chunk_bytes = (min(min_bytes, self.inference_stream_bytes),
+                                      min(chunk_bytes, self.inference_stream_bytes))
         per_token = batch * self.num_heads * max(self.feature_dim, self.head_dim) * 4  # float32 bytes
-        if per_token * tokens <= self.stream_min_bytes:
+        if per_token * tokens <= min_bytes:
             return None
-        return max(16, self.stream_chunk_bytes // per_token)
+        return max(16, chunk_bytes // per_token)
 
     def path(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionPath:
         """The one place that decides how this call computes its output (docs/deploy.md, *Paths*):
@@ -250,7 +258,7 @@ class LinearAttention(nn.Module):
         | KERNEL | a kernel method (sorting); its core picks its native pass or its PyTorch one |
         | WINDOWED | ``window`` > 0 |
         | MADE_ROWS | no gradient, float32 CPU tensors, maps that make their rows (``FeatureMap.makes_rows``) |
-        | STREAMED | on the CPU, token-wise maps whose stored features would pass ``stream_min_bytes`` |
+        | STREAMED | on the CPU, token-wise maps whose stored features pass ``stream_min_bytes`` (no grad: 4 MiB) |
         | LINEAR | everything else, every device, dtype and graph (compiled, exported) |
 
         Inside a path a feature map computes its own features (LUNA: its native channel pass on the CPU in

@@ -179,7 +179,9 @@ _GRIDS: dict = {}
 _GRIDS_KEPT = 128
 
 
-def _grid_of(knots: torch.Tensor) -> "KnotGrid | None":
+def knot_grid(knots: torch.Tensor) -> "KnotGrid | None":
+    """The grid of the sorted ``knots`` (``KnotGrid.build``), cached by their values; None where every grid
+    crowds (the binary search serves instead)."""
     key = (knots.dtype, knots.device, knots.detach().cpu().numpy().tobytes())
     if key in _GRIDS:
         _GRIDS[key] = grid = _GRIDS.pop(key)
@@ -200,7 +202,7 @@ def knot_intervals(u: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
     every grid, the binary search.
     """
     flat = u.detach().reshape(-1)
-    grid = _grid_of(knots)
+    grid = knot_grid(knots)
     if grid is None:
         return binary_search(flat, knots.detach()).view(u.shape)
     return grid.rows.index_select(0, grid.index(flat)).view(u.shape)
