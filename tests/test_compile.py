@@ -279,13 +279,14 @@ def test_luna_operator_calls_do_not_grow_with_projections_channels_or_knots(opti
 
 
 def test_luna_pytorch_path_grows_linearly_with_channels(monkeypatch):
-    """ops.piecewise gathers each channel's slopes and intercepts on their own (Inductor vectorises single values
-    better than rows of 2L): a fixed number of calls per channel and map, never a number that grows with N."""
+    """With gradients (the form compiled graphs take too) ops.piecewise gathers each channel's slopes and
+    intercepts on their own (Inductor vectorises single values better than rows of 2L): a fixed number of
+    calls per channel and map, never a number that grows with N."""
     luna_paths(monkeypatch, "pytorch")
-    counts = {channels: ops_per_forward("luna", 64, channels=channels).by_op for channels in (2, 4, 8)}
+    counts = {channels: ops_per_forward("luna", 64, train=True, channels=channels).by_op for channels in (2, 4, 8)}
     step = counts[4] - counts[2]
     assert step and counts[8] - counts[4] == step + step and not (counts[2] - counts[4])
-    assert ops_per_forward("luna", 256, channels=8).by_op == counts[8]
+    assert ops_per_forward("luna", 256, train=True, channels=8).by_op == counts[8]
 
 
 def test_luna_training_forward_builds_the_channel_tables_once():

@@ -199,9 +199,9 @@ def test_feature_map_fast_equals_reference(envelope, shared):
 
 
 def test_eager_inference_chunks_equal_the_mlp_and_the_recorded_path():
-    """Without gradients, eager CPU code takes the tokens in chunks (``luna_kernel.EAGER_CHUNK_VALUES``): the
+    """Without gradients, eager CPU code takes the tokens in chunks (``ops.piecewise.CHUNK_VALUES``): the
     same features as the MLP itself and as the path that records gradients, across chunk boundaries."""
-    from luna_convert.linear_methods.luna_kernel import EAGER_CHUNK_VALUES
+    from luna_convert.ops.piecewise import CHUNK_VALUES
 
     torch.manual_seed(0)
     fast = LunaFeatureMap(64, 2)  # the conversion defaults: exp channels, the channel norm
@@ -210,7 +210,7 @@ def test_eager_inference_chunks_equal_the_mlp_and_the_recorded_path():
         for p in fast.psi.parameters():  # channels away from their init, kinks everywhere
             p.add_(0.05 * torch.randn_like(p))
     slow.load_state_dict(fast.state_dict())
-    x = 2 * torch.randn(1, 2, EAGER_CHUNK_VALUES // 64 + 37, 64)  # two chunks, the second partial
+    x = 2 * torch.randn(1, 2, CHUNK_VALUES // 64 + 37, 64)  # two chunks, the second partial
     with native.reference_kernels():
         recorded = fast(x)
         with torch.no_grad():

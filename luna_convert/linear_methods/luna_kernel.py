@@ -56,7 +56,7 @@ import torch
 
 from ..ops.dtypes import accumulation_dtype
 from ..ops.normalize import sum_normalize
-from ..ops.piecewise import KnotGrid, binary_search, knot_grid, knot_intervals, piecewise_relu_channels
+from ..ops.piecewise import CHUNK_VALUES, KnotGrid, binary_search, knot_grid, knot_intervals, piecewise_relu_channels
 from ..ops.streamed import current_recompute_scope
 from . import luna_native
 from .luna_native import native_projected_channel_features, native_cells, native_channel_features
@@ -484,12 +484,6 @@ def scalar_channels_of(psi, *us: torch.Tensor, scale: float = 1.0,
         return tuple(out)
 
 
-# Eager inference on the CPU takes the values in chunks of about this many: each step's buffers stay in cache
-# and are reused, where steps over the whole [B, H, N, M] map fresh pages from glibc (24k page faults a call
-# of the layer at 4,096 tokens) and, with L innermost, run unvectorised (docs/design-decisions.md).
-EAGER_CHUNK_VALUES = 1 << 16
-
-
 def _eager_cpu_inference(psi, us: tuple[torch.Tensor, ...]) -> bool:
     """Whether this call is eager CPU code that records no gradient (``_channels_in_chunks`` serves it)."""
     if torch.compiler.is_compiling() or torch.compiler.is_exporting() or us[0].device.type != "cpu":
@@ -499,13 +493,14 @@ def _eager_cpu_inference(psi, us: tuple[torch.Tensor, ...]) -> bool:
 
 def _channels_in_chunks(x: torch.Tensor, table_t: torch.Tensor, grid: KnotGrid,
                         norm_eps: float | None) -> torch.Tensor:
-    """``scalar_channels_of`` for one float tensor x [..., M] -> [..., M, L] without autograd: chunk by chunk
-    of whole tokens, the L channels computed channel-major (contiguous steps) and normalised, then written
-    interleaved into the output. ``table_t`` [2L, rows]: the grid's table (``KnotGrid.rows_of``), transposed."""
+    """``scalar_channels_of`` for one float tensor x [..., M] -> [..., M, L] without autograd: in chunks of
+    whole tokens (``ops.piecewise.CHUNK_VALUES``), the L channels computed channel-major (contiguous steps:
+    with L innermost they ran unvectorised) and normalised, then written interleaved into the output.
+    ``table_t`` [2L, rows]: the grid's table (``KnotGrid.rows_of``), transposed."""
     channels, m = table_t.shape[0] // 2, x.shape[-1]
     out = x.new_empty(*x.shape, channels)
     flat, tokens_out = x.reshape(-1), out.view(-1, m, channels)
-    step = max(1, EAGER_CHUNK_VALUES // m) * m
+    step = max(1, CHUNK_VALUES // m) * m
     for start in range(0, flat.numel(), step):
         chunk = flat[start:start + step]
         rows = table_t.index_select(1, grid.index(chunk))  # [2L, c]: the slopes, then the intercepts

@@ -29,6 +29,10 @@ import torch
 # even at the largest grid: each one more is a gather and a comparison for every element.
 MAX_DEPTH = 4
 MAX_CELLS = 1 << 14
+# Eager steps over many values go in chunks of this many: each step's buffers stay in cache and are reused,
+# where steps over a whole [B, H, N, M] tensor map fresh pages from glibc on every call (the knot search at
+# 4,096 tokens: about 24k page faults a layer call, most of its time; docs/design-decisions.md).
+CHUNK_VALUES = 1 << 16
 
 
 def index_dtype() -> torch.dtype:
@@ -205,7 +209,11 @@ def knot_intervals(u: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
     grid = knot_grid(knots)
     if grid is None:
         return binary_search(flat, knots.detach()).view(u.shape)
-    return grid.rows.index_select(0, grid.index(flat)).view(u.shape)
+    out = torch.empty(flat.shape, dtype=torch.int32, device=u.device)
+    for start in range(0, flat.numel(), CHUNK_VALUES):  # the steps' buffers stay in cache
+        torch.index_select(grid.rows, 0, grid.index(flat[start:start + CHUNK_VALUES]),
+                           out=out[start:start + CHUNK_VALUES])
+    return out.view(u.shape)
 
 
 def knot_intervals_reference(u: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
