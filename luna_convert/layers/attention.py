@@ -23,6 +23,7 @@ from torch import nn
 from ..linear_methods.base import FEATURE_MAP_KIND, AttentionOptions
 from ..linear_methods.registry import get_method
 from ..ops.context import AttentionContext
+from ..ops.dtypes import records_grad
 from ..ops.dwc import depthwise_conv_tokens_plus
 from ..ops.linear import Divisor, divided_linear_attention, divided_sums, produced_attention_unnormalised
 from ..ops.reference import (attention_distillation_loss, linear_attention_weights, output_distillation_loss,
@@ -314,7 +315,7 @@ class LinearAttention(nn.Module):
 
     def needs_grad(self, *inputs: torch.Tensor) -> bool:
         """Whether this call records a gradient (for ``inputs`` or the method's parameters)."""
-        return torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *self.method_parameters()))
+        return records_grad(*inputs, *self.method_parameters())
 
     def feature_rows(self, q: torch.Tensor, k: torch.Tensor, context: AttentionContext | None = None):
         """(queries', keys') ``FeatureMap.feature_rows``, or None unless the maps offer both."""

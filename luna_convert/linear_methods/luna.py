@@ -291,7 +291,8 @@ method_options.per_head_projections=false method_options.projection_init=random
 method_options.channel_init=random method_options.feature_norm=none method_options.separate_key_map=false
 method_options.channel_lr_scale=1 method_options.dwc=true (and --distill-steps 0).
 The DWC branch is off by default: learned only in finetuning, it cost LUNA agreement with the teacher on
-held-out RTE pairs in every seed of three (docs/design-decisions.md). Derived: the DWC branch's form (FLatten-style depthwise conv on V: Conv1d over text tokens with
-pads zeroed, k x k Conv2d on the ViT patch grid, prefix tokens none, zero-initialised).""",
+held-out RTE pairs in every seed of three (docs/design-decisions.md). Derived: the DWC branch's form
+(FLatten-style depthwise conv on V: Conv1d over text tokens with pads zeroed, k x k Conv2d on the ViT patch
+grid, prefix tokens none, zero-initialised).""",
     distill=True,
 ))

@@ -54,8 +54,8 @@ from typing import Callable
 
 import torch
 
-from ..ops.dtypes import accumulation_dtype
-from ..ops.normalize import sum_normalize
+from ..ops.dtypes import accumulation_dtype, records_grad
+from ..ops.normalize import sum_normalize, sum_reciprocal
 from ..ops.piecewise import CHUNK_VALUES, KnotGrid, binary_search, knot_grid, knot_intervals, piecewise_relu_channels
 from ..ops.streamed import current_recompute_scope
 from . import luna_native
@@ -422,7 +422,7 @@ def _prepared(psi, compute: torch.dtype, scale: float, device: torch.device):
     """The native pass's ((slope, intercept), locator) in ``compute`` dtype (eager code; compiled code takes
     ``graph_tables``), from the cache when that is safe."""
     params = (psi.w1, psi.b1, psi.w2, psi.b2)
-    recording = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+    recording = records_grad(*params)
     if recording:
         scope = current_recompute_scope()
         if scope is None:
@@ -488,7 +488,7 @@ def _eager_cpu_inference(psi, us: tuple[torch.Tensor, ...]) -> bool:
     """Whether this call is eager CPU code that records no gradient (``_channels_in_chunks`` serves it)."""
     if torch.compiler.is_compiling() or torch.compiler.is_exporting() or us[0].device.type != "cpu":
         return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in (*us, *psi.parameters())))
+    return not records_grad(*us, *psi.parameters())
 
 
 def _channels_in_chunks(x: torch.Tensor, table_t: torch.Tensor, grid: KnotGrid,
@@ -505,8 +505,8 @@ def _channels_in_chunks(x: torch.Tensor, table_t: torch.Tensor, grid: KnotGrid,
         chunk = flat[start:start + step]
         rows = table_t.index_select(1, grid.index(chunk))  # [2L, c]: the slopes, then the intercepts
         values = torch.addcmul(rows[channels:], rows[:channels], chunk).relu_().view(channels, -1, m)
-        if norm_eps is not None:  # as ops.normalize.sum_normalize: times the reciprocal of the sum + eps
-            values.mul_(values.sum(-1, keepdim=True).add_(norm_eps).reciprocal_())
+        if norm_eps is not None:  # sum_normalize's values, in place (nothing records a gradient here)
+            values.mul_(sum_reciprocal(values, -1, norm_eps))
         tokens_out[start // m:(start + step) // m].copy_(values.permute(1, 2, 0))
     return out
 
@@ -566,7 +566,7 @@ def projected_channel_features_of(psi, weight: torch.Tensor, bias: torch.Tensor,
     ``channel_features_of``) when a gradient is recorded, under autocast, or where the native kernel does
     not apply."""
     device = xs[0].device
-    if (torch.is_grad_enabled() and any(t.requires_grad for t in (weight, bias, *xs, *psi.parameters()))) or \
+    if records_grad(weight, bias, *xs, *psi.parameters()) or \
             any(t.dtype != torch.float32 for t in (weight, bias, *xs)) or torch.is_autocast_enabled(device.type) or \
             not native_kernel_applies(weight.shape[0], psi.channels, torch.float32, device):
         return None

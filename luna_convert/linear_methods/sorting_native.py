@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..ops import native
+from ..ops.dtypes import records_grad
 
 SOURCE = Path(__file__).with_name("sorting_sums.c")
 # (batch, head) rows per thread chunk at the least: one row at 512 tokens is already ~1 ms of work.
@@ -61,7 +62,7 @@ def sorting_kernel_attention(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, 
     if torch.compiler.is_compiling():
         keep = None if key_mask is None else key_mask.to(torch.bool)
         return sorting_attention_op(x, y, v, keep, w, c0, matern, eps)[0]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, v, w, c0)):
+    if records_grad(x, y, v, w, c0):
         return _NativeSortingAttention.apply(x, y, v, key_mask, w, c0, matern, eps)
     return _forward(*_inputs(x, y, v, key_mask, w, c0), matern, eps, keep_denominators=False)[0]
 

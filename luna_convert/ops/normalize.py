@@ -15,7 +15,7 @@ import torch
 class _SumNormalize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, eps):
-        r = x.sum(dim, keepdim=True).add_(eps).reciprocal_()
+        r = sum_reciprocal(x, dim, eps)
         y = x * r
         ctx.dim = dim
         ctx.save_for_backward(y, r)
@@ -28,6 +28,11 @@ class _SumNormalize(torch.autograd.Function):
         # y_i = x_i r with r = 1 / (sum_j x_j + eps): d loss / d x_j = r (g_j - sum_i g_i y_i)
         dot = torch.linalg.vecdot(grad, y, dim=ctx.dim).unsqueeze(ctx.dim)
         return (grad - dot).mul_(r), None, None
+
+
+def sum_reciprocal(x: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
+    """1 / (x.sum(dim, keepdim=True) + eps): what :func:`sum_normalize` multiplies x by."""
+    return x.sum(dim, keepdim=True).add_(eps).reciprocal_()
 
 
 def sum_normalize(x: torch.Tensor, dim: int, eps: float) -> torch.Tensor:

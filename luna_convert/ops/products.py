@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from . import native
+from .dtypes import records_grad
 
 NATIVE_SOURCE = Path(__file__).with_name("token_products.c")
 _LAYOUT = ctypes.c_int64 * 3  # an operand's strides in floats: outer batch axis, inner batch axis, rows
@@ -160,7 +161,7 @@ def produced_rows_apply(*tensors: torch.Tensor) -> bool:
     CPU tensors, no gradient recorded for any, no autocast, and the native products here. Compiled and exported
     graphs call the made-rows operators."""
     return (all([t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors])
-            and not (torch.is_grad_enabled() and any([t.requires_grad for t in tensors]))
+            and not records_grad(*tensors)
             and not torch.is_autocast_enabled("cpu") and native_available())
 
 
