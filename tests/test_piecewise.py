@@ -11,8 +11,9 @@ import torch
 from luna_convert.linear_methods.luna import LunaFeatureMap, ScalarChannels
 from luna_convert.linear_methods.luna_kernel import channel_table, frozen_for_export, scalar_channels_of
 from luna_convert.ops import native
-from luna_convert.ops.piecewise import (MAX_DEPTH, KnotGrid, binary_search, knot_intervals, piecewise_relu,
-                                        piecewise_relu_reference)
+from luna_convert.ops.piecewise import (CHUNK_VALUES, MAX_DEPTH, KnotGrid, binary_search, knot_intervals,
+                                        piecewise_relu, piecewise_relu_features,
+                                        piecewise_relu_features_reference, piecewise_relu_reference)
 
 
 def _knot_sets():
@@ -65,6 +66,49 @@ def test_knot_intervals_is_a_well_formed_operator():
     knots = _knot_sets()["bounded"]
     torch.library.opcheck(knot_intervals, (torch.randn(3, 40) * 4, knots))
     assert knot_intervals(torch.randn(2, 3, 5), knots).dtype == torch.int32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ["heavy tails", "tied", "crowded"])
+def test_inference_features_equal_the_reference_across_chunks(name, dtype):
+    """``piecewise_relu_features`` (inference: tokens in chunks, the grid or, for crowded knots, the binary
+    search) against searchsorted's form, with and without the channel norm, over a chunk boundary."""
+    knots = _knot_sets()[name].to(dtype)
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(knots.numel() + 1, 6, generator=g, dtype=dtype)
+    u = (torch.randn(2, CHUNK_VALUES // 16 + 5, 16, generator=g) * 5).to(dtype)  # a partial second chunk
+    ref = piecewise_relu_features_reference(u, knots, table, None)
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-6  # float32: addcmul's fused rounding, 1.2e-7 relative
+    torch.testing.assert_close(piecewise_relu_features(u, knots, table, None), ref, rtol=tolerance, atol=tolerance)
+    normed = piecewise_relu_features_reference(u, knots, table, 1e-3)
+    # float32: a value near its kink (slope u ~ -intercept) keeps the terms' absolute rounding, and a small sum
+    # over M magnifies it; measured 1.3e-5
+    torch.testing.assert_close(piecewise_relu_features(u, knots, table, 1e-3), normed, rtol=tolerance,
+                               atol=tolerance if dtype == torch.float64 else 5e-5)
+
+
+def test_inference_features_are_a_well_formed_operator_that_compiled_graphs_call():
+    knots = _knot_sets()["bounded"]
+    table = torch.randn(knots.numel() + 1, 4)
+    torch.library.opcheck(torch.ops.luna_convert.piecewise_relu_features.default,
+                          (torch.randn(3, 40, 8) * 4, knots, table, 1e-6))
+    torch.manual_seed(0)
+    fm = LunaFeatureMap(8, 2)
+    x = torch.randn(1, 2, 30, 8) * 3
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with native.reference_kernels(), torch.no_grad():
+        compiled = torch.compile(fm, fullgraph=True, backend=backend)(x)
+        eager, reference = fm(x), LunaFeatureMap(8, 2, fast=False).requires_grad_(False)
+    reference.load_state_dict(fm.state_dict())
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
+    assert any("piecewise_relu_features" in t for t in targets) and not any("knot_intervals" in t for t in targets)
+    assert torch.equal(compiled, eager)
+    torch.testing.assert_close(compiled, reference(x), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["heavy tails", "tied"])

@@ -55,8 +55,8 @@ from typing import Callable
 import torch
 
 from ..ops.dtypes import accumulation_dtype, records_grad
-from ..ops.normalize import sum_normalize, sum_reciprocal
-from ..ops.piecewise import CHUNK_VALUES, KnotGrid, binary_search, knot_grid, knot_intervals, piecewise_relu_channels
+from ..ops.normalize import sum_normalize
+from ..ops.piecewise import KnotGrid, binary_search, knot_intervals, piecewise_relu_channels, piecewise_relu_features
 from ..ops.streamed import current_recompute_scope
 from . import luna_native
 from .luna_native import native_projected_channel_features, native_cells, native_channel_features
@@ -464,10 +464,8 @@ def scalar_channels_of(psi, *us: torch.Tensor, scale: float = 1.0,
             table, locate = frozen[1]
         else:
             knots, table = channel_table(psi, compute, float(scale), device)
-            grid = knot_grid(knots) if _eager_cpu_inference(psi, us) else None
-            if grid is not None:
-                table_t = grid.rows_of(table).t().contiguous()
-                return tuple(_channels_in_chunks(u.to(compute), table_t, grid, norm_eps).to(u.dtype) for u in us)
+            if _cpu_inference(psi, us):
+                return tuple(piecewise_relu_features(u.to(compute), knots, table, norm_eps).to(u.dtype) for u in us)
             if torch.compiler.is_exporting():
                 locate = lambda x: binary_search(x.reshape(-1), knots)  # noqa: E731 - standard operators only
             else:
@@ -484,31 +482,12 @@ def scalar_channels_of(psi, *us: torch.Tensor, scale: float = 1.0,
         return tuple(out)
 
 
-def _eager_cpu_inference(psi, us: tuple[torch.Tensor, ...]) -> bool:
-    """Whether this call is eager CPU code that records no gradient (``_channels_in_chunks`` serves it)."""
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting() or us[0].device.type != "cpu":
+def _cpu_inference(psi, us: tuple[torch.Tensor, ...]) -> bool:
+    """Whether this call is CPU code, eager or compiled (not exported), that records no gradient: then
+    ``ops.piecewise.piecewise_relu_features`` (tokens in chunks) serves it."""
+    if torch.compiler.is_exporting() or us[0].device.type != "cpu":
         return False
     return not records_grad(*us, *psi.parameters())
-
-
-def _channels_in_chunks(x: torch.Tensor, table_t: torch.Tensor, grid: KnotGrid,
-                        norm_eps: float | None) -> torch.Tensor:
-    """``scalar_channels_of`` for one float tensor x [..., M] -> [..., M, L] without autograd: in chunks of
-    whole tokens (``ops.piecewise.CHUNK_VALUES``), the L channels computed channel-major (contiguous steps:
-    with L innermost they ran unvectorised) and normalised, then written interleaved into the output.
-    ``table_t`` [2L, rows]: the grid's table (``KnotGrid.rows_of``), transposed."""
-    channels, m = table_t.shape[0] // 2, x.shape[-1]
-    out = x.new_empty(*x.shape, channels)
-    flat, tokens_out = x.reshape(-1), out.view(-1, m, channels)
-    step = max(1, CHUNK_VALUES // m) * m
-    for start in range(0, flat.numel(), step):
-        chunk = flat[start:start + step]
-        rows = table_t.index_select(1, grid.index(chunk))  # [2L, c]: the slopes, then the intercepts
-        values = torch.addcmul(rows[channels:], rows[:channels], chunk).relu_().view(channels, -1, m)
-        if norm_eps is not None:  # sum_normalize's values, in place (nothing records a gradient here)
-            values.mul_(sum_reciprocal(values, -1, norm_eps))
-        tokens_out[start // m:(start + step) // m].copy_(values.permute(1, 2, 0))
-    return out
 
 
 # psi -> its prepared lookup, frozen for an export (``frozen_for_export``): the grid's size depends on the

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from .normalize import sum_reciprocal
 
 # A grid gives up (the binary search serves instead) where some cell would hold more distinct knots than this
 # even at the largest grid: each one more is a gather and a comparison for every element.
@@ -214,6 +217,68 @@ def knot_intervals(u: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
         torch.index_select(grid.rows, 0, grid.index(flat[start:start + CHUNK_VALUES]),
                            out=out[start:start + CHUNK_VALUES])
     return out.view(u.shape)
+
+
+def piecewise_relu_in_chunks(x: torch.Tensor, table_t: torch.Tensor, rows_of: Callable[[torch.Tensor], torch.Tensor],
+                             norm_eps: float | None) -> torch.Tensor:
+    """relu(slope u + intercept) [..., M, L] of every element u of x [..., M] without autograd, each channel
+    divided by its sum over the M elements + ``norm_eps`` where given: in chunks of whole tokens
+    (``CHUNK_VALUES``), the L channels computed channel-major (with L innermost the steps ran unvectorised) and
+    normalised, then written interleaved into the output. ``table_t`` [2L, R]: the table transposed (slopes,
+    then intercepts); ``rows_of(chunk)``: the table column of each element of a 1-D chunk."""
+    channels, m = table_t.shape[0] // 2, x.shape[-1]
+    out = x.new_empty(*x.shape, channels)
+    flat, tokens_out = x.reshape(-1), out.view(-1, m, channels)
+    step = max(1, CHUNK_VALUES // m) * m
+    for start in range(0, flat.numel(), step):
+        chunk = flat[start:start + step]
+        rows = table_t.index_select(1, rows_of(chunk))  # [2L, c]: the slopes, then the intercepts
+        values = torch.addcmul(rows[channels:], rows[:channels], chunk).relu_().view(channels, -1, m)
+        if norm_eps is not None:
+            values.mul_(sum_reciprocal(values, -1, norm_eps))
+        tokens_out[start // m:(start + step) // m].copy_(values.permute(1, 2, 0))
+    return out
+
+
+def piecewise_relu_features(u: torch.Tensor, knots: torch.Tensor, table: torch.Tensor,
+                            norm_eps: float | None) -> torch.Tensor:
+    """:func:`piecewise_relu` of u [..., M] (float) by the sorted ``knots`` [K] and ``table`` [K + 1, 2L], each
+    channel divided by its sum over M + ``norm_eps`` where given: [..., M, L], for inference (no gradient).
+    :func:`piecewise_relu_in_chunks` over the knots' grid, or the binary search where the knots crowd every
+    grid.
+
+    Compiled graphs call it as the registered operator ``luna_convert::piecewise_relu_features``: Inductor's own
+    kernel for these gathers ran 2.5x slower than the chunks (4,096 tokens, one thread; docs/design-decisions.md).
+    Eager code calls it directly: an operator's first eager call imports torch's fake-tensor stack (~160 MB)."""
+    if torch.compiler.is_compiling():
+        return _piecewise_relu_features_op(u, knots, table, -1.0 if norm_eps is None else float(norm_eps))
+    knots, table = knots.detach(), table.detach()
+    grid = knot_grid(knots)
+    if grid is None:
+        table_t, rows_of = table.t().contiguous(), lambda chunk: binary_search(chunk, knots)
+    else:
+        table_t, rows_of = grid.rows_of(table).t().contiguous(), grid.index
+    return piecewise_relu_in_chunks(u.detach(), table_t, rows_of, norm_eps)
+
+
+def piecewise_relu_features_reference(u: torch.Tensor, knots: torch.Tensor, table: torch.Tensor,
+                                      norm_eps: float | None) -> torch.Tensor:
+    """:func:`piecewise_relu_features` in plain form: :func:`piecewise_relu_reference`, then each channel divided
+    by its sum over M + ``norm_eps``."""
+    features = piecewise_relu_reference(u, knots, table)
+    return features if norm_eps is None else features / (features.sum(-2, keepdim=True) + norm_eps)
+
+
+@torch.library.custom_op("luna_convert::piecewise_relu_features", mutates_args=())
+def _piecewise_relu_features_op(u: torch.Tensor, knots: torch.Tensor, table: torch.Tensor,
+                                norm_eps: float) -> torch.Tensor:
+    """:func:`piecewise_relu_features` as an operator (``norm_eps`` < 0: no norm); no autograd (inference)."""
+    return piecewise_relu_features(u, knots, table, None if norm_eps < 0 else norm_eps)
+
+
+@_piecewise_relu_features_op.register_fake
+def _piecewise_relu_features_shape(u, knots, table, norm_eps):
+    return u.new_empty((*u.shape, table.shape[1] // 2))
 
 
 def knot_intervals_reference(u: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
