@@ -28,7 +28,8 @@ channel, one gather of its slope and intercept; nothing of size ``hidden`` is ev
 Two evaluations of the tables, the same values to float32 rounding:
 - the standard-operator path, ``scalar_channels_of`` (``ops.piecewise``: the interval from a grid of the knots
   through the registered operator ``luna_convert::knot_intervals``, a grid frozen into an exported graph by
-  ``frozen_for_export``, or a branchless binary search; then plain autograd): what runs without a C compiler,
+  ``frozen_for_export``, or a branchless binary search; then plain autograd; on the CPU without gradients, eager
+  or compiled, ``piecewise_relu_features``, the tokens in chunks): what runs without a C compiler,
   with ``LUNA_CONVERT_NATIVE=0``, in float64 and half precision, on GPUs and in exported graphs;
 - on the CPU in float32, where a C compiler is, ``channel_features_of`` hands the per-token part (and LUNA's
   feature norm) to ``luna_native``: one native call per map over the same tables and its own grid (built with
